@@ -1,0 +1,180 @@
+"""DPO training entrypoint: TRL DPOTrainer + our memory levers, on DeepSpeed ZeRO-3 or a single process.
+
+    # quickstart: tiny Mistral on the shipped preference data, one process (CPU when no GPU is present)
+    python launch/train_dpo.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml
+
+    # DeepSpeed launcher, ZeRO-3 (the config may also be given as --deepspeed ds_configs/zero3.json)
+    deepspeed --num_gpus 8 launch/train_dpo.py ds_configs/zero3.json --recipe recipes/nemotron12b/dpo_12k.yaml
+
+    # accelerate, ZeRO-3 (launch/accelerate/zero3.yaml points at ds_configs/zero3.json)
+    accelerate launch --config_file launch/accelerate/zero3.yaml launch/train_dpo.py --recipe <yaml>
+
+Any `--key value` overrides the recipe (`--max_steps 10`, `--memory.checkpointing attn_mlp`).
+`--resume_from_checkpoint <dir|true>` continues a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from recipes.config import MemoryArgs, RecipeError, _build_section, _merge, parse_overrides  # noqa: E402
+
+logger = logging.getLogger("train_dpo")
+
+
+def parse_cli(argv: list[str]) -> dict:
+    """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
+    DeepSpeed JSON, --resume_from_checkpoint; everything else is `--key value` overrides."""
+    cli = {"recipe": None, "deepspeed": None, "resume": None, "overrides": {}}
+    rest = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        key, eq, value = arg.partition("=")
+        takes_value = key in ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
+        if takes_value and not eq:
+            if i + 1 >= len(argv):
+                raise RecipeError(f"`{key}` needs a value.")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if key == "--recipe":
+            cli["recipe"] = value
+        elif key in ("--local_rank", "--local-rank"):
+            os.environ.setdefault("LOCAL_RANK", value)
+        elif key == "--resume_from_checkpoint":
+            cli["resume"] = True if value.lower() == "true" else value
+        elif key == "--deepspeed" or (not arg.startswith("--") and arg.endswith(".json")):
+            cli["deepspeed"] = value if key == "--deepspeed" else arg
+        else:
+            rest.append(arg)
+    cli["overrides"] = parse_overrides(rest)
+    if cli["deepspeed"]:
+        cli["overrides"]["deepspeed"] = cli["deepspeed"]
+    return cli
+
+
+def read_memory_section(recipe_path: str | None, overrides: dict) -> MemoryArgs:
+    """The memory section from the YAML with plain Python: nothing imported here touches torch."""
+    import yaml
+
+    raw = {}
+    if recipe_path and os.path.isfile(recipe_path):
+        raw = yaml.safe_load(open(recipe_path)) or {}
+    merged = _merge(raw if isinstance(raw, dict) else {}, overrides)
+    return _build_section("memory", merged.get("memory"))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    # ---- 1. allocator before CUDA: the memory callback is built before anything touches the GPU ----------------
+    cli = parse_cli(sys.argv[1:] if argv is None else argv)
+    if cli["recipe"] is None:
+        raise RecipeError("No recipe: pass `--recipe recipes/tiny_mistral/dpo_quickstart.yaml` (or another YAML).")
+    memory = read_memory_section(cli["recipe"], cli["overrides"])
+    from recipes.callbacks import MemoryCallback
+
+    memory_callback = MemoryCallback(memory)
+
+    # ---- 2. recipe and start-up checks (no model loaded yet) ---------------------------------------------------
+    import torch
+
+    from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
+    from recipes.config import load_recipe
+    from recipes.validate import check_recipe, resolve_report_to
+
+    recipe = load_recipe(cli["recipe"], cli["overrides"])
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
+
+    from trl import DPOConfig, DPOTrainer
+
+    from recipes.data import length_report, load_preferences
+    from recipes.modeling import build_model, load_tokenizer
+
+    # ---- 3. logging and training arguments ---------------------------------------------------------------------
+    trainer_kwargs = dict(recipe.trainer)
+    trainer_kwargs["gradient_checkpointing"] = uses_transformers_layer_checkpointing(memory.checkpointing)
+    trainer_kwargs["report_to"] = resolve_report_to(trainer_kwargs)
+    trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
+    trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
+    args = DPOConfig(**trainer_kwargs)  # with `deepspeed` set this starts the process group
+    is_main = args.process_index == 0
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO if is_main else logging.WARNING)
+    logging.getLogger("recipes").setLevel(logging.INFO if is_main else logging.WARNING)
+
+    # ---- 4. data -------------------------------------------------------------------------------------------------
+    tokenizer = load_tokenizer(recipe.model)
+    train_raw = load_preferences(recipe.data.train_files, "train_files", recipe.data.max_train_samples)
+    eval_raw = load_preferences(recipe.data.eval_files, "eval_files") if recipe.data.eval_files else None
+
+    # ---- 5. model: policy (patched) and reference (an identical copy for random-init runs) ---------------------
+    model = build_model(recipe.model)
+    if len(tokenizer) > model.config.vocab_size:
+        raise RecipeError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+            "use a matching `model.tokenizer`."
+        )
+    wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp)
+    ref_model = None
+    if recipe.model.architecture and not args.precompute_ref_log_probs:
+        ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
+
+    # ---- 6. trainer ----------------------------------------------------------------------------------------------
+    class RecipeDPOTrainer(DPOTrainer):
+        def log(self, logs, start_time=None):
+            if self.model.training:
+                logs.update(memory_callback.telemetry_logs())
+            super().log(logs, start_time)
+
+    trainer = RecipeDPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=train_raw,
+        eval_dataset=eval_raw,
+        processing_class=tokenizer,
+        callbacks=[memory_callback],
+    )
+    report = length_report(trainer.train_dataset, len(train_raw), args.max_length)
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    if is_main:
+        logger.info("length report (tokens per sequence = prompt + longer completion): %s", report)
+        logger.info(
+            "scale: %d ranks, %d pairs per optimizer step, up to %d tokens per step (2 x max_length x pairs); "
+            "checkpointing=%s wrapped=%s tiled_mlp=%d allocator=%s (%s)",
+            args.world_size, global_batch, 2 * (args.max_length or report["tokens_max"]) * global_batch,
+            memory.checkpointing, {k: v for k, v in wrapped.items() if v}, memory.tiled_mlp,
+            memory_callback.allocator["allocator_conf"], memory_callback.allocator["source"],
+        )
+
+    # ---- 7. train and save ---------------------------------------------------------------------------------------
+    result = trainer.train(resume_from_checkpoint=cli["resume"])
+    trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
+    if is_main:
+        tokenizer.save_pretrained(args.output_dir)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"train_loss": result.training_loss, "losses": losses, "length_report": report,
+            "ln2_gap": abs(losses[0] - math.log(2)) if losses else None}
+
+
+def run() -> int:
+    try:
+        main()
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

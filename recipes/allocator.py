@@ -1,0 +1,147 @@
+"""CUDA caching-allocator settings that really take effect (the seed's bug, fixed).
+
+The seed found that setting PYTORCH_CUDA_ALLOC_CONF after CUDA is initialised silently does nothing: the allocator
+reads the variable once, when it starts. So the entrypoint applies `memory.allocator_conf` before it imports torch
+(it reads the recipe YAML with plain Python first), and if CUDA is already up (e.g. a notebook) it goes through
+torch's runtime call `torch.cuda.memory._set_allocator_settings`; if neither can work it fails loudly.
+
+torch accepts unknown keys silently, so keys and values are checked here. Pure Python: importing this module does
+not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .config import RecipeError
+
+ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch >= 2.9 reads the second, older the first
+
+
+def _positive_int(v: str) -> bool:
+    return v.isdigit() and int(v) > 0
+
+
+def _fraction(v: str) -> bool:
+    try:
+        return 0.0 < float(v) < 1.0
+    except ValueError:
+        return False
+
+
+def _bool(v: str) -> bool:
+    return v in ("True", "False", "true", "false")
+
+
+def _pow2_divisions(v: str) -> bool:
+    if v.startswith("[") and v.endswith("]"):  # per-size form: [256:1,512:2,>:4]
+        return all(":" in part for part in v[1:-1].split(","))
+    return _positive_int(v) and (int(v) & (int(v) - 1)) == 0
+
+
+# key -> (validator, what a valid value looks like)
+KEYS = {
+    "max_split_size_mb": (lambda v: _positive_int(v) and int(v) > 20, "an integer > 20 (MB)"),
+    "garbage_collection_threshold": (_fraction, "a fraction strictly between 0 and 1"),
+    "expandable_segments": (_bool, "True or False"),
+    "roundup_power2_divisions": (_pow2_divisions, "a power of two, or [size:div,...,>:div]"),
+    "release_lock_on_cudamalloc": (_bool, "True or False"),
+    "pinned_use_cuda_host_register": (_bool, "True or False"),
+    "pinned_num_register_threads": (_positive_int, "a positive integer"),
+    "pinned_use_background_threads": (_bool, "True or False"),
+    "backend": (lambda v: v in ("native", "cudaMallocAsync"), "native or cudaMallocAsync"),
+}
+
+
+def parse(conf: str) -> dict[str, str]:
+    """`"max_split_size_mb:64,expandable_segments:True"` -> dict, or RecipeError naming the bad part."""
+    import difflib
+
+    out: dict[str, str] = {}
+    # split on commas outside [...] (roundup_power2_divisions takes a list)
+    parts, depth, cur = [], 0, ""
+    for ch in conf.replace(" ", ""):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    for part in filter(None, parts):
+        key, sep, value = part.partition(":")
+        if not sep or not value:
+            raise RecipeError(f"`memory.allocator_conf` entry {part!r} is malformed; write `key:value`, "
+                              "e.g. `max_split_size_mb:64`.")
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise RecipeError(f"`memory.allocator_conf` key `{key}` is not a CUDA allocator setting.{hint} "
+                              f"Known keys: {', '.join(KEYS)}.")
+        ok, expected = KEYS[key]
+        if not ok(value):
+            raise RecipeError(f"`memory.allocator_conf` {key} must be {expected}, got {value!r}.")
+        out[key] = value
+    return out
+
+
+def resolve(recipe_conf: str | None, environ=os.environ) -> tuple[str | None, str]:
+    """Which setting wins: the recipe's (it overrides the environment) or the user's environment. Returns
+    (effective setting or None, source: 'recipe' | 'environment' | 'default')."""
+    if recipe_conf:
+        parse(recipe_conf)
+        return recipe_conf, "recipe"
+    env_value = next((environ[v] for v in ENV_VARS if environ.get(v)), None)
+    if env_value:
+        parse(env_value)  # a typo in the user's env is as silent in torch as one in the recipe
+        return env_value, "environment"
+    return None, "default"
+
+
+def apply(recipe_conf: str | None, environ=os.environ) -> dict:
+    """Make the effective setting reach the allocator. Returns a record for the logs.
+
+    path 'environment': set before CUDA initialises (the allocator reads it at start);
+    path 'runtime':     CUDA already initialised, applied via torch.cuda.memory._set_allocator_settings."""
+    conf, source = resolve(recipe_conf, environ)
+    record = {"allocator_conf": conf, "source": source, "path": None,
+              "torch_imported_before": "torch" in sys.modules, "cuda_initialized_before": False}
+    if conf is None:
+        return record
+    torch = sys.modules.get("torch")
+    cuda_up = bool(torch is not None and torch.cuda.is_initialized())
+    record["cuda_initialized_before"] = cuda_up
+    if not cuda_up:
+        for var in ENV_VARS:
+            environ[var] = conf
+        record["path"] = "environment"
+        return record
+    try:
+        torch.cuda.memory._set_allocator_settings(conf)
+    except (AttributeError, RuntimeError) as e:
+        raise RecipeError(
+            f"CUDA was initialised before `memory.allocator_conf` ({conf}) could be applied, and torch's runtime "
+            f"allocator-settings call failed ({e}); set PYTORCH_CUDA_ALLOC_CONF in the shell before launching."
+        ) from e
+    for var in ENV_VARS:  # child processes (dataloader workers) inherit the same setting
+        environ[var] = conf
+    record["path"] = "runtime"
+    return record
+
+
+def verify(conf: str | None) -> dict:
+    """After CUDA is up, read the allocator back. Only max_split_size is reported by torch.cuda.memory_stats();
+    the other keys are recorded as applied, not verified."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {"verified": None}
+    stats = torch.cuda.memory_stats()
+    reported = stats.get("max_split_size")
+    out = {"max_split_size_bytes": reported}
+    wanted = parse(conf).get("max_split_size_mb") if conf else None
+    if wanted is not None and reported is not None:
+        out["verified"] = int(reported) == int(wanted) * 1024 * 1024
+    return out

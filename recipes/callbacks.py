@@ -1,0 +1,205 @@
+"""The memory `TrainerCallback`: allocator settings before CUDA, cache emptying on boundaries, per-step telemetry.
+
+Construct it at the top of the entrypoint, before the model (or anything that touches CUDA) exists: its
+constructor applies `memory.allocator_conf` (recipes/allocator.py) and records which setting won.
+
+Per optimizer step, on every rank, it measures peak allocated / peak reserved / fragmentation gap (reserved -
+allocated at peak) / allocator retries and OOMs / host RSS and pinned host memory / step time / real (unpadded)
+tokens per second. Rank 0 logs the max over ranks to `memory.jsonl` in the output dir and into the Trainer logs
+(so TensorBoard). Peaks are reset at each step start. At the end: `memory_summary.md` (the seed's table format)
+and `memory.png`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+
+import torch
+from transformers import TrainerCallback
+
+from . import allocator
+from .config import MemoryArgs
+
+logger = logging.getLogger(__name__)
+GB = 1e9
+# Per-rank values reduced with MAX across ranks, in this order.
+_REDUCED = ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "ooms",
+            "host_rss_gb", "host_pinned_gb", "step_time_s")
+
+
+def empty_cache() -> None:
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _host_memory() -> tuple[float, float | None]:
+    import psutil
+
+    rss = psutil.Process().memory_info().rss / GB
+    pinned = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) / GB
+    return rss, pinned
+
+
+class MemoryCallback(TrainerCallback):
+    def __init__(self, memory: MemoryArgs):
+        self.memory = memory
+        self.allocator = allocator.apply(memory.allocator_conf)  # before CUDA initialises
+        self.records: list[dict] = []
+        self.last_record: dict = {}
+        self._microbatches = 0
+        self._step_start = 0.0
+        self._tokens_at_start = 0
+        self._snapshotting = False
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _cuda() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return values
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    # -- events --------------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        src = self.allocator
+        if state.is_world_process_zero:
+            logger.info("allocator: %s (source: %s, applied via %s)", src["allocator_conf"] or "torch default",
+                        src["source"], src["path"] or "nothing to apply")
+        if self._cuda():
+            self.allocator.update(allocator.verify(src["allocator_conf"]))
+            if state.is_world_process_zero and self.allocator.get("verified") is not None:
+                logger.info("allocator read back: max_split_size=%s bytes, verified=%s",
+                            self.allocator.get("max_split_size_bytes"), self.allocator["verified"])
+            if self.allocator.get("verified") is False:
+                logger.warning("allocator max_split_size does not match memory.allocator_conf: the setting did not "
+                               "reach the allocator (was CUDA initialised before the entrypoint ran?)")
+            if self.memory.snapshot_steps:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+                self._snapshotting = True
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._cuda():
+            torch.cuda.reset_peak_memory_stats()
+        self._tokens_at_start = state.num_input_tokens_seen
+        self._step_start = time.perf_counter()
+
+    def _microbatch_done(self):
+        self._microbatches += 1
+        n = self.memory.empty_cache_microbatches
+        if n and self._microbatches % n == 0:
+            empty_cache()
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._microbatch_done()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._microbatch_done()  # the last micro-batch of a step ends here, not in on_substep_end
+        if self._cuda():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._step_start
+        rss, pinned = _host_memory()
+        peak_alloc = peak_res = retries = ooms = 0.0
+        if self._cuda():
+            stats = torch.cuda.memory_stats()
+            peak_alloc = stats.get("allocated_bytes.all.peak", 0) / GB
+            peak_res = stats.get("reserved_bytes.all.peak", 0) / GB
+            retries, ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+        values = [peak_alloc, peak_res, peak_res - peak_alloc, retries, ooms, rss, pinned or 0.0, elapsed]
+        reduced = dict(zip(_REDUCED, self._max_over_ranks(values)))
+        tokens = state.num_input_tokens_seen - self._tokens_at_start  # gathered over ranks by the Trainer
+        record = {"step": state.global_step, **{k: round(v, 4) for k, v in reduced.items()},
+                  "tokens": tokens, "tokens_per_s": round(tokens / reduced["step_time_s"], 1),
+                  "allocator_conf": self.allocator["allocator_conf"], "cuda": self._cuda()}
+        if not self._cuda():  # no GPU: the GPU fields mean nothing
+            for k in ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "ooms", "host_pinned_gb"):
+                record[k] = None
+        self.records.append(record)
+        self.last_record = record
+        if state.is_world_process_zero and self.memory.telemetry:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, "memory.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self._snapshotting and state.global_step >= self.memory.snapshot_steps:
+            self._dump_snapshot(args, state)
+        n = self.memory.empty_cache_steps
+        if n and state.global_step % n == 0:
+            empty_cache()
+
+    def _dump_snapshot(self, args, state):
+        rank = int(os.environ.get("RANK", 0))
+        path = os.path.join(args.output_dir, f"memory_snapshot_rank{rank}.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self._snapshotting = False
+        logger.info("memory snapshot written to %s (open at https://pytorch.org/memory_viz)", path)
+
+    def telemetry_logs(self) -> dict:
+        """Latest step's figures for the Trainer logs (TensorBoard): memory/<name>."""
+        keep = ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "host_rss_gb",
+                "host_pinned_gb", "step_time_s", "tokens_per_s")
+        return {f"memory/{k}": self.last_record[k] for k in keep if self.last_record.get(k) is not None}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._snapshotting:
+            self._dump_snapshot(args, state)
+        if state.is_world_process_zero and self.memory.telemetry and self.records:
+            write_summary(self.records, args.output_dir)
+
+
+def write_summary(records: list[dict], output_dir: str) -> str:
+    """memory_summary.md in the seed's format (steady state: steps after the first) and memory.png."""
+    steady = records[1:] or records
+
+    def fmt(key, agg):
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        return f"{agg(vals):.2f}" if vals else "n/a"
+
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    conf = records[-1].get("allocator_conf") or "default"
+    table = (
+        "| Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Step Time (s) | Tokens/s |\n"
+        "|---|---|---|---|---|---|\n"
+        f"| allocator {conf} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
+        f"{fmt('frag_gap_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n"
+    )
+    path = os.path.join(output_dir, "memory_summary.md")
+    with open(path, "w") as f:
+        f.write(f"Steady state over steps {steady[0]['step']}..{steady[-1]['step']} (max memory, median time).\n\n")
+        f.write(table)
+    _plot(records, os.path.join(output_dir, "memory.png"))
+    return path
+
+
+def _plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if any(r.get("peak_allocated_gb") is not None for r in records):
+        ax.plot(steps, [r["peak_allocated_gb"] for r in records], marker="o", label="peak allocated (GPU)")
+        ax.plot(steps, [r["peak_reserved_gb"] for r in records], marker="s", label="peak reserved (GPU)")
+    ax.plot(steps, [r["host_rss_gb"] for r in records], marker="^", label="host RSS")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("GB (max over ranks)")
+    ax.set_title("Memory per step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,246 @@
+"""Recipe schema: a flat YAML of TRL `DPOConfig` fields plus three sections of our own.
+
+    # Model arguments      -> model:  (ModelArgs)
+    # Data arguments       -> data:   (DataArgs)
+    # Memory levers        -> memory: (MemoryArgs)
+    # DPOTrainer arguments -> top level, exactly the fields of trl.DPOConfig
+
+Command-line `--key value` overrides the YAML; section keys are dotted (`--memory.checkpointing attn_mlp`).
+Everything here is plain Python: nothing imports torch's CUDA side, so the allocator settings can still be
+applied after a recipe is read (see recipes/allocator.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class RecipeError(ValueError):
+    """A recipe or command-line problem; the message says which key or flag fixes it."""
+
+
+@dataclass
+class ModelArgs:
+    """Which model to train.
+
+    name_or_path (str, defaults to None): a local Hugging Face model directory (config + weights + tokenizer).
+    architecture (str, defaults to None): an architecture JSON (e.g. recipes/architectures/mistral_nemo_12b.json);
+        the model is randomly initialised from it, for benchmarks. Exactly one of name_or_path / architecture.
+    num_hidden_layers (int, defaults to None): override the layer count (reduced-layer runs of a big architecture).
+    tokenizer (str, defaults to None): a tokenizer directory, or `byte` for the built-in byte-level tokenizer with a
+        chat template (one token per UTF-8 byte). Defaults to name_or_path.
+    dtype (str, defaults to "bfloat16"): parameter dtype: bfloat16, float16 or float32.
+    attn_implementation (str, defaults to "sdpa"): sdpa, eager or flash_attention_2.
+    init_seed (int, defaults to 0): seed of the random initialisation; the reference model of a random-init run is
+        built with the same seed, so it is an identical copy of the policy (step-0 loss = ln 2).
+    """
+
+    name_or_path: str | None = None
+    architecture: str | None = None
+    num_hidden_layers: int | None = None
+    tokenizer: str | None = None
+    dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    init_seed: int = 0
+
+
+@dataclass
+class DataArgs:
+    """Which preference pairs to train on.
+
+    train_files (list[str], required): JSONL / JSON / Parquet files, or one `datasets.save_to_disk` directory.
+        Rows are TRL preference pairs: `prompt`/`chosen`/`rejected` strings or message lists, or implicit-prompt
+        `chosen`/`rejected` conversations.
+    eval_files (list[str], defaults to []): the same, for evaluation.
+    max_train_samples (int, defaults to None): keep only the first N training pairs.
+    global_batch_size (int, defaults to None): if set, checked at start-up against
+        per_device_train_batch_size x gradient_accumulation_steps x data-parallel ranks.
+    """
+
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    max_train_samples: int | None = None
+    global_batch_size: int | None = None
+
+
+@dataclass
+class MemoryArgs:
+    """The memory levers (recipes/checkpointing.py, recipes/allocator.py, recipes/callbacks.py).
+
+    checkpointing (str, defaults to "layer"): activation-checkpointing policy, one of
+        recipes.checkpointing.POLICIES: none, layer, attn_mlp, norm_attn, norm_attn_mlp, layer+attn_mlp, ...
+    tiled_mlp (int, defaults to 0): split each MLP over this many sequence tiles (DeepSpeed TiledMLP); 0 = off.
+    allocator_conf (str, defaults to None): PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64".
+        Applied before CUDA initialises; overrides the environment's value (the log says which won).
+    empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps.
+    empty_cache_microbatches (int, defaults to 0): the same every N micro-batches (costs speed; off by default).
+    snapshot_steps (int, defaults to 0): record CUDA memory history for the first N steps and dump a snapshot
+        (open it at https://pytorch.org/memory_viz).
+    telemetry (bool, defaults to True): per-step memory/time telemetry to the logs and memory.jsonl.
+    """
+
+    checkpointing: str = "layer"
+    tiled_mlp: int = 0
+    allocator_conf: str | None = None
+    empty_cache_steps: int = 0
+    empty_cache_microbatches: int = 0
+    snapshot_steps: int = 0
+    telemetry: bool = True
+
+
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs}
+
+
+@dataclass
+class Recipe:
+    model: ModelArgs
+    data: DataArgs
+    memory: MemoryArgs
+    trainer: dict  # DPOConfig keyword arguments (validated names, coerced types)
+    path: str | None = None
+
+
+def _dpo_fields() -> dict[str, dataclasses.Field]:
+    from trl import DPOConfig  # imports no CUDA state
+
+    return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
+
+
+def _suggest(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f" Did you mean `{close[0]}`?" if close else ""
+
+
+def _coerce(value, annotation, key: str):
+    """YAML gives `1e-6` as a string and the command line gives everything as strings: convert by field type."""
+    if isinstance(annotation, str):  # postponed annotations
+        annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split(" |")[0], None)
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        for a in args:  # first scalar type that accepts the value
+            if a in (bool, int, float):
+                try:
+                    return _coerce(value, a, key)
+                except RecipeError:
+                    continue
+        return value
+    if annotation is bool and isinstance(value, str):
+        if value.lower() in ("true", "1", "yes"):
+            return True
+        if value.lower() in ("false", "0", "no"):
+            return False
+        raise RecipeError(f"`{key}` must be true or false, got {value!r}.")
+    if annotation in (int, float) and isinstance(value, str):
+        try:
+            return annotation(float(value)) if annotation is int and float(value).is_integer() else annotation(value)
+        except ValueError:
+            raise RecipeError(f"`{key}` must be a number ({annotation.__name__}), got {value!r}.") from None
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _parse_value(text: str):
+    """Command-line values are parsed as YAML scalars/lists: `true`, `3`, `[a, b]`, `null`."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_overrides(argv: list[str]) -> dict:
+    """`--key value` / `--key=value` pairs -> nested dict (dotted keys go into sections)."""
+    out: dict = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise RecipeError(f"Unexpected argument {arg!r}: overrides are `--key value` (e.g. `--max_steps 10`).")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise RecipeError(f"`--{key}` needs a value (e.g. `--{key} true`).")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        section, dot, sub = key.partition(".")
+        if dot:
+            out.setdefault(section, {})[sub] = _parse_value(value)
+        else:
+            out[key] = _parse_value(value)
+    return out
+
+
+def _merge(base: dict, overrides: dict) -> dict:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if key in SECTIONS and isinstance(value, dict):
+            merged[key] = {**(merged.get(key) or {}), **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _build_section(name: str, values) -> object:
+    cls = SECTIONS[name]
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise RecipeError(f"`{name}:` must be a mapping of keys, got {type(values).__name__}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise RecipeError(f"Unknown key `{name}.{key}`.{_suggest(key, fields)} Valid keys: {', '.join(fields)}.")
+        kwargs[key] = _coerce(value, fields[key].type, f"{name}.{key}")
+    return cls(**kwargs)
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -> Recipe:
+    """Read a recipe YAML, apply overrides, check every key. Raises RecipeError naming the fix."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass an existing YAML with `--recipe`.")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"Recipe {str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise RecipeError(f"Recipe {str(path)!r} must be a YAML mapping of keys.")
+    raw = _merge(raw, overrides or {})
+
+    dpo_fields = _dpo_fields()
+    sections = {name: _build_section(name, raw.get(name)) for name in SECTIONS}
+    trainer = {}
+    for key, value in raw.items():
+        if key in SECTIONS:
+            continue
+        if key not in dpo_fields:
+            valid = list(dpo_fields) + list(SECTIONS)
+            raise RecipeError(
+                f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory).{_suggest(key, valid)}"
+            )
+        trainer[key] = _coerce(value, dpo_fields[key].type, key)
+    return Recipe(**sections, trainer=trainer, path=str(path) if path else None)
+
+
+def resolve_path(p: str) -> str:
+    """Paths in recipes are relative to the working directory, else to the repo root."""
+    if os.path.exists(p) or os.path.isabs(p):
+        return p
+    candidate = REPO_ROOT / p
+    return str(candidate) if candidate.exists() else p

@@ -1,0 +1,122 @@
+"""Model and tokenizer building: a local Hugging Face directory, or a shipped architecture JSON + random init.
+
+Random-init models are built with `from_config`, which transformers runs under DeepSpeed `zero.Init` whenever a
+ZeRO-3 `DPOConfig` exists (HfDeepSpeedConfig is alive), so no rank ever materialises the whole 12B model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .config import ModelArgs, RecipeError, resolve_path
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# A chat template for the byte tokenizer: every rendered prompt is a prefix of prompt+completion, as TRL needs.
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+BYTE_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def build_byte_tokenizer():
+    """A byte-level tokenizer built in code (no download): one token per UTF-8 byte, plus special tokens.
+
+    One byte = one token makes exact-length synthetic pairs trivial (recipes/data.py)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = list(bytes_to_unicode().values())
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)}
+    vocab.update({ch: len(BYTE_SPECIAL_TOKENS) + i for i, ch in enumerate(byte_chars)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=BYTE_SPECIAL_TOKENS[4:],
+    )
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_tokenizer(args: ModelArgs):
+    source = args.tokenizer or args.name_or_path
+    if source == "byte":
+        return build_byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_path(source))
+
+
+def load_architecture(args: ModelArgs):
+    """The transformers config of the model: from the architecture JSON or the model directory."""
+    from transformers import AutoConfig
+
+    if args.architecture:
+        with open(resolve_path(args.architecture)) as f:
+            spec = json.load(f)
+        spec = {k: v for k, v in spec.items() if not k.startswith("_")}  # "_comment" keys document the JSON
+        config = AutoConfig.for_model(**spec)
+    else:
+        config = AutoConfig.from_pretrained(resolve_path(args.name_or_path))
+    if args.num_hidden_layers is not None:
+        config.num_hidden_layers = args.num_hidden_layers
+    return config
+
+
+def build_model(args: ModelArgs):
+    """The policy (or an identical reference: same config, same seed) as a fresh CausalLM."""
+    from transformers import AutoModelForCausalLM
+    from transformers.trainer_utils import set_seed
+
+    config = load_architecture(args)
+    dtype = DTYPES[args.dtype]
+    if args.architecture:
+        set_seed(args.init_seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_path(args.name_or_path),
+        config=config,
+        dtype=dtype,
+        attn_implementation=args.attn_implementation,
+    )
+
+
+def check_model_args(args: ModelArgs) -> None:
+    """Start-up checks of the model section (no model is loaded)."""
+    if bool(args.name_or_path) == bool(args.architecture):
+        raise RecipeError(
+            "Set exactly one of `model.name_or_path` (a local model directory) or `model.architecture` "
+            "(an architecture JSON for a random-init model)."
+        )
+    if args.name_or_path and not os.path.isdir(resolve_path(args.name_or_path)):
+        raise RecipeError(
+            f"`model.name_or_path` {args.name_or_path!r} is not a local directory; models are not downloaded here. "
+            "Point it at a directory written by `save_pretrained`."
+        )
+    if args.architecture and not os.path.isfile(resolve_path(args.architecture)):
+        raise RecipeError(
+            f"`model.architecture` {args.architecture!r} does not exist; use a JSON in recipes/architectures/."
+        )
+    if args.architecture and not args.tokenizer:
+        raise RecipeError("A random-init model has no tokenizer: set `model.tokenizer: byte` or a tokenizer directory.")
+    if args.tokenizer and args.tokenizer != "byte" and not os.path.isdir(resolve_path(args.tokenizer)):
+        raise RecipeError(f"`model.tokenizer` {args.tokenizer!r} is neither `byte` nor a local directory.")
+    if args.dtype not in DTYPES:
+        raise RecipeError(f"`model.dtype` must be one of {', '.join(DTYPES)}, got {args.dtype!r}.")
+    if args.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
+        raise RecipeError(
+            f"`model.attn_implementation` must be sdpa, eager or flash_attention_2, got {args.attn_implementation!r}."
+        )
+    if args.num_hidden_layers is not None and args.num_hidden_layers < 1:
+        raise RecipeError(f"`model.num_hidden_layers` must be at least 1, got {args.num_hidden_layers}.")

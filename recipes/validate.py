@@ -1,0 +1,89 @@
+"""Every start-up check in one place, run before any model is loaded or GPU memory touched.
+
+Each failure is one RecipeError sentence naming the key or flag that fixes it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+from . import allocator
+from .checkpointing import check_policy
+from .config import Recipe, RecipeError, resolve_path
+from .data import check_data_args
+from .modeling import check_model_args
+
+
+def check_deepspeed_config(path: str) -> dict:
+    if not os.path.isfile(resolve_path(path)):
+        raise RecipeError(f"DeepSpeed config {path!r} does not exist; pass one of ds_configs/*.json.")
+    try:
+        with open(resolve_path(path)) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"DeepSpeed config {path!r} is not valid JSON: {e}") from None
+    stage = cfg.get("zero_optimization", {}).get("stage")
+    if stage not in (None, 0, 1, 2, 3):
+        raise RecipeError(f"DeepSpeed config {path!r}: zero_optimization.stage must be 0-3, got {stage!r}.")
+    return cfg
+
+
+def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
+    t, mem = recipe.trainer, recipe.memory
+    check_model_args(recipe.model)
+    check_data_args(recipe.data)
+    check_policy(mem.checkpointing)
+    if mem.allocator_conf:
+        allocator.parse(mem.allocator_conf)
+    for key in ("tiled_mlp", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps"):
+        if getattr(mem, key) < 0:
+            raise RecipeError(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
+
+    if "gradient_checkpointing" in t:
+        raise RecipeError(
+            "Set activation checkpointing with `memory.checkpointing` (layer = transformers' gradient checkpointing), "
+            "not `gradient_checkpointing`: remove that key."
+        )
+    if mem.empty_cache_steps and t.get("torch_empty_cache_steps"):
+        raise RecipeError(
+            "Both `memory.empty_cache_steps` and TRL's `torch_empty_cache_steps` are set, which would empty the cache "
+            "twice; keep `memory.empty_cache_steps` (it also runs gc) and remove `torch_empty_cache_steps`."
+        )
+    if t.get("deepspeed"):
+        check_deepspeed_config(t["deepspeed"])
+
+    # Precision: DPOConfig defaults to bf16, which a CPU-only machine refuses.
+    if not cuda_available and (t.get("bf16") or t.get("fp16")):
+        raise RecipeError("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")
+    if not cuda_available and recipe.model.dtype != "float32":
+        raise RecipeError(f"`model.dtype: {recipe.model.dtype}` on a CPU-only machine: set `model.dtype: float32`.")
+
+    max_length = t.get("max_length", 1024)
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+        raise RecipeError(f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got {max_length!r}.")
+
+    per_device = t.get("per_device_train_batch_size", 8)
+    accum = t.get("gradient_accumulation_steps", 1)
+    for key, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accum)):
+        if not isinstance(value, int) or value < 1:
+            raise RecipeError(f"`{key}` must be a positive integer, got {value!r}.")
+    want = recipe.data.global_batch_size
+    if want is not None and per_device * accum * world_size != want:
+        fix = want // (per_device * world_size) if want % (per_device * world_size) == 0 else None
+        hint = f"set `gradient_accumulation_steps: {fix}`" if fix else "change per_device_train_batch_size or the GPU count"
+        raise RecipeError(
+            f"`data.global_batch_size` is {want} but per_device_train_batch_size ({per_device}) x "
+            f"gradient_accumulation_steps ({accum}) x {world_size} ranks = {per_device * accum * world_size}; {hint}."
+        )
+
+
+def resolve_report_to(trainer: dict) -> list[str]:
+    """TensorBoard by default; a run must not fail when tensorboard is not installed."""
+    report_to = trainer.get("report_to", ["tensorboard"])
+    report_to = [report_to] if isinstance(report_to, str) else list(report_to or ["none"])
+    if "tensorboard" in report_to and importlib.util.find_spec("tensorboard") is None \
+            and importlib.util.find_spec("tensorboardX") is None:
+        report_to = [r for r in report_to if r != "tensorboard"] or ["none"]
+    return report_to
