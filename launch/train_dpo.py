@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     from recipes.data import length_report, load_preferences
+    from recipes.distributed import teach_accelerate_cpu_gloo
     from recipes.modeling import build_model, load_tokenizer
 
     # ---- 3. logging and training arguments ---------------------------------------------------------------------
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer_kwargs["report_to"] = resolve_report_to(trainer_kwargs)
     trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
     trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
+    teach_accelerate_cpu_gloo()
     args = DPOConfig(**trainer_kwargs)  # with `deepspeed` set this starts the process group
     is_main = args.process_index == 0
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO if is_main else logging.WARNING)
