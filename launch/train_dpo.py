@@ -15,13 +15,14 @@ Any `--key value` overrides the recipe (`--max_steps 10`, `--memory.checkpointin
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from recipes import allocator  # noqa: E402
 from recipes.config import MemoryArgs, RecipeError, _build_section, _merge, parse_overrides  # noqa: E402
 
 logger = logging.getLogger("train_dpo")
@@ -76,9 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     if cli["recipe"] is None:
         raise RecipeError("No recipe: pass `--recipe recipes/tiny_mistral/dpo_quickstart.yaml` (or another YAML).")
     memory = read_memory_section(cli["recipe"], cli["overrides"])
+    allocator_record = allocator.apply(memory.allocator_conf)  # torch is not even imported yet
     from recipes.callbacks import MemoryCallback
 
-    memory_callback = MemoryCallback(memory)
+    memory_callback = MemoryCallback(memory, allocator_record)
 
     # ---- 2. recipe and start-up checks (no model loaded yet) ---------------------------------------------------
     import torch
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from trl import DPOConfig, DPOTrainer
 
-    from recipes.data import length_report, load_preferences
+    from recipes.data import length_report, load_preferences, load_train_data
     from recipes.distributed import teach_accelerate_cpu_gloo
     from recipes.modeling import build_model, load_tokenizer
 
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer_kwargs = dict(recipe.trainer)
     trainer_kwargs["gradient_checkpointing"] = uses_transformers_layer_checkpointing(memory.checkpointing)
     trainer_kwargs["report_to"] = resolve_report_to(trainer_kwargs)
+    if "tensorboard" in str(recipe.trainer.get("report_to", "tensorboard")) and "tensorboard" not in trainer_kwargs["report_to"]:
+        logger.warning("tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)")
     trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
     trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
     teach_accelerate_cpu_gloo()
@@ -109,9 +113,13 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO if is_main else logging.WARNING)
     logging.getLogger("recipes").setLevel(logging.INFO if is_main else logging.WARNING)
 
+    if memory.memory_cap_gb and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(args.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory.memory_cap_gb * 1e9 / total), args.device)
+
     # ---- 4. data -------------------------------------------------------------------------------------------------
     tokenizer = load_tokenizer(recipe.model)
-    train_raw = load_preferences(recipe.data.train_files, "train_files", recipe.data.max_train_samples)
+    train_raw = load_train_data(recipe.data)
     eval_raw = load_preferences(recipe.data.eval_files, "eval_files") if recipe.data.eval_files else None
 
     # ---- 5. model: policy (patched) and reference (an identical copy for random-init runs) ---------------------
@@ -159,9 +167,35 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
     if is_main:
         tokenizer.save_pretrained(args.output_dir)
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"train_loss": result.training_loss, "losses": losses, "length_report": report,
-            "ln2_gap": abs(losses[0] - math.log(2)) if losses else None}
+    summary = {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "train_loss": result.training_loss,
+        "world_size": args.world_size,
+        "length_report": report,
+        "wrapped": wrapped,
+        "allocator": memory_callback.allocator,
+        "partition_numel_per_rank": _gather(_local_partition_numel(trainer.model_wrapped)),
+        "total_numel": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+    }
+    if is_main:
+        with open(os.path.join(args.output_dir, "train_summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+    return summary
+
+
+def _local_partition_numel(model) -> int:
+    """Parameters this rank holds: its ZeRO-3 shard (ds_tensor) or, without ZeRO-3, everything."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+
+
+def _gather(value) -> list:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def run() -> int:

@@ -48,9 +48,11 @@ def _host_memory() -> tuple[float, float | None]:
 
 
 class MemoryCallback(TrainerCallback):
-    def __init__(self, memory: MemoryArgs):
+    def __init__(self, memory: MemoryArgs, allocator_record: dict | None = None):
+        """`allocator_record`: what `allocator.apply` returned if the entrypoint already applied the setting
+        (it does so before importing torch at all); otherwise it is applied here, before CUDA initialises."""
         self.memory = memory
-        self.allocator = allocator.apply(memory.allocator_conf)  # before CUDA initialises
+        self.allocator = allocator_record or allocator.apply(memory.allocator_conf)
         self.records: list[dict] = []
         self.last_record: dict = {}
         self._microbatches = 0

@@ -10,17 +10,18 @@ Policies (`memory.checkpointing`):
   attn_mlp        attention and MLP each in a non-reentrant checkpoint, norms not (the seed's starting point)
   norm_attn       every RMSNorm (the final norm too) and attention (what the user named)
   norm_attn_mlp   every RMSNorm, attention and MLP (the seed's fix: its fp32 norms were 1/3 of activations)
-  layer+<inner>   nested, done right: the decoder layer is checkpointed AND, while it is recomputed in backward,
-                  each <inner> module is checkpointed again, so a layer's backward holds one module's
-                  intermediates instead of the whole layer's.
+  layer+<inner>   nested, done right: transformers' layer checkpoint AND each <inner> module in its own, so a
+                  layer's backward holds the inner modules' inputs plus one module's intermediates instead of
+                  the whole layer's intermediates.
 
 Why "done right": a probe on one H200 (12B architecture, one pair, TRL 1.16) found that wrapping inner modules in
-checkpoints *inside* transformers' layer checkpointing made memory worse (12k: 17.1 -> 25.7 GB; 64k + offload:
-OOM instead of 38.8 GB). A non-reentrant checkpoint keeps its inputs referenced (in its recompute closure) from the
-first forward until backward, so inner checkpoints created during the outer's first forward pin every norm /
-attention / MLP input of every layer: exactly what the outer checkpoint was meant to drop. Here the inner modules
-run plainly during the outer's first forward (the outer discards what they save anyway) and are checkpointed only
-while the outer recomputes.
+checkpoints inside transformers' layer checkpointing made memory worse (12k: 17.1 -> 25.7 GB; 64k + offload: OOM
+instead of 38.8 GB). The cause, read in torch 2.13's torch/utils/checkpoint.py: a non-reentrant checkpoint saves its
+*positional* tensor inputs through the saved-tensor hooks (so an enclosing checkpoint drops them), but its *keyword*
+inputs are captured by the recompute closure and stay alive until backward. Mistral's attention is called with
+`hidden_states=` as a keyword, so every layer's attention input (2 x seq x 5120 bf16: ~250 MB per layer at 12k,
+~10 GB over 40 layers) was pinned. Here every wrapped module passes its keyword tensors positionally into the
+checkpoint, so nesting inside the layer checkpoint keeps nothing beyond what the layer checkpoint keeps.
 
 Tiling (`memory.tiled_mlp: N`): DeepSpeed's TiledMLP runs each MLP over N sequence tiles and recomputes it in
 backward, so only the MLP input is kept and the 14336-wide intermediates exist one tile at a time. A tiled MLP is
@@ -29,7 +30,6 @@ not checkpointed a second time.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 
 import torch
@@ -40,9 +40,6 @@ from .config import RecipeError
 INNER = {"attn_mlp": ("attn", "mlp"), "norm_attn": ("norm", "attn"), "norm_attn_mlp": ("norm", "attn", "mlp")}
 POLICIES = ["none", "layer", *INNER, *(f"layer+{p}" for p in INNER)]
 SUPPORTED_MODELS = ("mistral", "llama", "qwen2")
-
-# None outside any outer (layer) checkpoint; "forward" during its first forward; "recompute" during its replay.
-_OUTER_PHASE: contextvars.ContextVar[str | None] = contextvars.ContextVar("recipes_outer_phase", default=None)
 
 
 def check_policy(policy: str) -> None:
@@ -55,8 +52,8 @@ def check_policy(policy: str) -> None:
 
 
 def uses_transformers_layer_checkpointing(policy: str) -> bool:
-    """`layer` alone is transformers' gradient checkpointing (DPOConfig.gradient_checkpointing=True)."""
-    return policy == "layer"
+    """`layer` and `layer+...` use transformers' own per-layer checkpointing (DPOConfig.gradient_checkpointing)."""
+    return policy == "layer" or policy.startswith("layer+")
 
 
 def _counted(module: torch.nn.Module, forward):
@@ -75,33 +72,17 @@ def _wrap_inner(module: torch.nn.Module) -> None:
     forward = _counted(module, module.forward)
 
     def checkpointed_forward(*args, **kwargs):
-        if not (module.training and torch.is_grad_enabled()) or _OUTER_PHASE.get() == "forward":
+        if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # Keyword tensors would be pinned by checkpoint's recompute closure: pass everything positionally.
+        n_args, keys = len(args), list(kwargs)
+
+        def run(*flat):
+            return forward(*flat[:n_args], **dict(zip(keys, flat[n_args:])))
+
+        return checkpoint(run, *args, *kwargs.values(), use_reentrant=False)
 
     module.forward = checkpointed_forward
-
-
-def _wrap_outer(layer: torch.nn.Module) -> None:
-    forward = _counted(layer, layer.forward)
-
-    def checkpointed_forward(*args, **kwargs):
-        if not (layer.training and torch.is_grad_enabled()):
-            return forward(*args, **kwargs)
-        calls = 0
-
-        def run(*a, **k):
-            nonlocal calls
-            calls += 1
-            token = _OUTER_PHASE.set("forward" if calls == 1 else "recompute")
-            try:
-                return forward(*a, **k)
-            finally:
-                _OUTER_PHASE.reset(token)
-
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
-
-    layer.forward = checkpointed_forward
 
 
 def _wrap_tiled_mlp(mlp: torch.nn.Module, shards: int) -> None:
@@ -135,12 +116,11 @@ def decoder_modules(model: torch.nn.Module):
 def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0) -> dict[str, int]:
     """Wrap the policy model's module forwards for `policy` (and tile its MLPs). Returns what was wrapped."""
     check_policy(policy)
-    wrapped = {"norm": 0, "attn": 0, "mlp": 0, "layer": 0, "tiled_mlp": 0}
+    wrapped = {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0}
     if policy in ("none", "layer") and not tiled_mlp:
         return wrapped
     layers, final_norm = decoder_modules(model)
-    outer, _, inner_name = policy.rpartition("+") if "+" in policy else ("", "", policy)
-    inner = INNER.get(inner_name, ())
+    inner = INNER.get(policy.removeprefix("layer+"), ())
     for layer in layers:
         if tiled_mlp:
             _wrap_tiled_mlp(layer.mlp, tiled_mlp)
@@ -154,9 +134,6 @@ def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0
             for module in targets[kind]:
                 _wrap_inner(module)
                 wrapped[kind] += 1
-        if outer == "layer":
-            _wrap_outer(layer)
-            wrapped["layer"] += 1
     if "norm" in inner:
         _wrap_inner(final_norm)
         wrapped["norm"] += 1

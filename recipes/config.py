@@ -65,12 +65,15 @@ class DataArgs:
     max_train_samples (int, defaults to None): keep only the first N training pairs.
     global_batch_size (int, defaults to None): if set, checked at start-up against
         per_device_train_batch_size x gradient_accumulation_steps x data-parallel ranks.
+    synthetic (dict, defaults to None): instead of files, `{pairs: N, seq_tokens: L, prompt_tokens: P}` builds N
+        standard pairs of exactly L tokens (prompt + completion + EOS) for the byte tokenizer (benchmarks).
     """
 
     train_files: list[str] = field(default_factory=list)
     eval_files: list[str] = field(default_factory=list)
     max_train_samples: int | None = None
     global_batch_size: int | None = None
+    synthetic: dict | None = None
 
 
 @dataclass
@@ -87,6 +90,8 @@ class MemoryArgs:
     snapshot_steps (int, defaults to 0): record CUDA memory history for the first N steps and dump a snapshot
         (open it at https://pytorch.org/memory_viz).
     telemetry (bool, defaults to True): per-step memory/time telemetry to the logs and memory.jsonl.
+    memory_cap_gb (float, defaults to None): cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction),
+        e.g. 80 to emulate an 80 GB H100 on a larger GPU.
     """
 
     checkpointing: str = "layer"
@@ -96,6 +101,7 @@ class MemoryArgs:
     empty_cache_microbatches: int = 0
     snapshot_steps: int = 0
     telemetry: bool = True
+    memory_cap_gb: float | None = None
 
 
 SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs}
@@ -126,6 +132,9 @@ def _coerce(value, annotation, key: str):
     if isinstance(annotation, str):  # postponed annotations
         annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split(" |")[0], None)
     args = typing.get_args(annotation)
+    if isinstance(value, bool) and annotation is not bool and bool not in args:
+        # YAML 1.1 reads `save_strategy: no` as False; a field without a bool type meant the word.
+        return "no" if value is False else "yes"
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         if value is None and type(None) in args:
             return None

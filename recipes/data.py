@@ -24,7 +24,16 @@ def check_data_args(args: DataArgs) -> None:
         args.train_files = [args.train_files]
     if isinstance(args.eval_files, str):
         args.eval_files = [args.eval_files]
-    if not args.train_files:
+    if args.synthetic is not None:
+        keys = {"pairs", "seq_tokens", "prompt_tokens"}
+        if not isinstance(args.synthetic, dict) or set(args.synthetic) != keys:
+            raise RecipeError(f"`data.synthetic` must be a mapping with exactly the keys {sorted(keys)}.")
+        if args.train_files:
+            raise RecipeError("Set either `data.train_files` or `data.synthetic`, not both.")
+        s = args.synthetic
+        if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
+            raise RecipeError("`data.synthetic` needs pairs >= 1 and 0 < prompt_tokens < seq_tokens - 1.")
+    elif not args.train_files:
         raise RecipeError("No training data: set `data.train_files` to JSONL/JSON/Parquet files or a dataset directory.")
     for key in ("train_files", "eval_files"):
         for f in getattr(args, key):
@@ -70,6 +79,14 @@ def load_preferences(files: list[str], key: str = "train_files", max_samples: in
     return ds
 
 
+def load_train_data(args: DataArgs):
+    if args.synthetic:
+        import datasets
+
+        return datasets.Dataset.from_list(synthetic_pairs(**args.synthetic))
+    return load_preferences(args.train_files, "train_files", args.max_train_samples)
+
+
 def _percentile(sorted_values: list[int], q: float) -> int:
     return sorted_values[min(len(sorted_values) - 1, int(round(q * (len(sorted_values) - 1))))]
 
@@ -96,7 +113,7 @@ def length_report(tokenized, n_raw: int, max_length: int | None) -> dict:
     }
 
 
-def synthetic_pairs(n_pairs: int, seq_tokens: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
+def synthetic_pairs(pairs: int, seq_tokens: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
     """Standard-format pairs whose prompt + completion is exactly `seq_tokens` with the byte tokenizer.
 
     One ASCII letter is one token; TRL appends EOS to each completion, so a completion text has one letter less."""
@@ -110,7 +127,7 @@ def synthetic_pairs(n_pairs: int, seq_tokens: int, prompt_tokens: int, seed: int
         return "".join(rng.choice(letters) for _ in range(k))
 
     return [{"prompt": text(prompt_tokens), "chosen": text(completion), "rejected": text(completion)}
-            for _ in range(n_pairs)]
+            for _ in range(pairs)]
 
 
 def write_jsonl(rows: list[dict], path: str) -> None:

@@ -1,0 +1,213 @@
+"""Memory/speed benchmark of the levers on the real training path (launch/train_dpo.py), one fresh process each.
+
+For each sequence length and named configuration it runs a few DPO steps of synthetic pairs of exactly that length
+and records, from the run's own memory.jsonl (steps after the first): peak allocated, peak reserved,
+fragmentation gap, median step time, tokens/s, host RSS and pinned host memory. `stock` and ours run in the same
+invocation on the same GPU, so ratios are honest.
+
+    # mode (b), real ZeRO-3 + AdamW, fewer layers so model states fit one GPU
+    python launch/bench_memory.py --gpus 1 --layers 4 --seq-tokens 12288 \
+        --configs stock,stock+offload,attn_mlp,norm_attn_mlp,norm_attn_mlp+alloc64 --out results/levers_12k
+    # CPU smoke (the tests run this): tiny model, python launcher
+    python launch/bench_memory.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --launcher python \
+        --seq-tokens 64 --steps 2 --configs stock,norm_attn_mlp --out /tmp/bench
+
+Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (the seed's
+table format) and memory_vs_length.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Neutral memory settings every configuration starts from, then its own switches on top.
+BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
+        "memory.tiled_mlp": "0", "activation_offloading": "false"}
+CONFIGS = {
+    # TRL 1.16 DPOTrainer as a user gets it: transformers' per-layer checkpointing, nothing of ours.
+    "stock": {},
+    "stock+offload": {"activation_offloading": "true"},
+    # The seed's rows: attention + MLP checkpointed per module (its baseline), + norms, + allocator.
+    "attn_mlp": {"memory.checkpointing": "attn_mlp"},
+    "norm_attn": {"memory.checkpointing": "norm_attn"},
+    "norm_attn_mlp": {"memory.checkpointing": "norm_attn_mlp"},
+    "norm_attn_mlp+alloc64": {"memory.checkpointing": "norm_attn_mlp", "memory.allocator_conf": "max_split_size_mb:64"},
+    "norm_attn_mlp+expandable": {"memory.checkpointing": "norm_attn_mlp",
+                                 "memory.allocator_conf": "expandable_segments:True"},
+    "norm_attn_mlp+empty_cache": {"memory.checkpointing": "norm_attn_mlp", "memory.empty_cache_steps": "1"},
+    # Nested checkpointing done right, then with tiling and TRL's activation offloading.
+    "layer+norm_attn_mlp": {"memory.checkpointing": "layer+norm_attn_mlp"},
+    "layer+norm_attn+tiled": {"memory.checkpointing": "layer+norm_attn", "memory.tiled_mlp": "8"},
+    "layer+norm_attn_mlp+offload": {"memory.checkpointing": "layer+norm_attn_mlp", "activation_offloading": "true"},
+    "layer+norm_attn+tiled+offload": {"memory.checkpointing": "layer+norm_attn", "memory.tiled_mlp": "8",
+                                      "activation_offloading": "true"},
+}
+
+
+def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
+    overrides = {**BASE, **CONFIGS[name],
+                 "data.synthetic": json.dumps({"pairs": 8 * args.steps, "seq_tokens": seq,
+                                               "prompt_tokens": max(1, min(args.prompt_tokens, seq // 4))}),
+                 "data.train_files": "[]", "data.global_batch_size": "null",
+                 "max_length": str(seq), "max_steps": str(args.steps), "per_device_train_batch_size": "1",
+                 "gradient_accumulation_steps": "1", "logging_steps": "1", "save_strategy": "no",
+                 "report_to": "none", "output_dir": out_dir}
+    if args.layers:
+        overrides["model.num_hidden_layers"] = str(args.layers)
+    if args.memory_cap_gb:
+        overrides["memory.memory_cap_gb"] = str(args.memory_cap_gb)
+    flat = [x for k, v in overrides.items() for x in (f"--{k}", v)]
+    script = os.path.join(ROOT, "launch", "train_dpo.py")
+    if args.launcher == "python":
+        return [sys.executable, script, "--recipe", args.recipe, *flat]
+    return ["deepspeed", "--num_gpus", str(args.gpus), "--master_port", str(args.port), script, args.ds_config,
+            "--recipe", args.recipe, *flat]
+
+
+def summarise(records: list[dict]) -> dict:
+    steady = records[1:] or records
+
+    def agg(key, fn):
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        return fn(vals) if vals else None
+
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return {"peak_allocated_gb": agg("peak_allocated_gb", max), "peak_reserved_gb": agg("peak_reserved_gb", max),
+            "frag_gap_gb": agg("frag_gap_gb", max), "step_time_s": agg("step_time_s", median),
+            "tokens_per_s": agg("tokens_per_s", median), "host_rss_gb": agg("host_rss_gb", max),
+            "host_pinned_gb": agg("host_pinned_gb", max), "alloc_retries": agg("alloc_retries", max),
+            "steps_measured": len(steady)}
+
+
+def run_one(args, name: str, seq: int) -> dict:
+    out_dir = os.path.join(args.out, "runs", f"{name}_{seq}".replace("+", "-"))
+    cmd = build_command(args, name, seq, out_dir)
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(args.out, "bench.log"), "a") as f:
+        f.write(f"\n===== {name} @ {seq} (rc={proc.returncode})\n$ {shlex.join(cmd)}\n{log[-4000:]}\n")
+    result = {"config": name, "seq_tokens": seq, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1),
+              "command": shlex.join(cmd), "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log}
+    jsonl = os.path.join(out_dir, "memory.jsonl")
+    if os.path.exists(jsonl):
+        records = [json.loads(line) for line in open(jsonl)]
+        result.update(summarise(records), allocator_conf=records[-1].get("allocator_conf"))
+    summary = os.path.join(out_dir, "train_summary.json")
+    if os.path.exists(summary):
+        s = json.load(open(summary))
+        result.update(losses=s["losses"], allocator=s["allocator"], wrapped=s["wrapped"])
+    return result
+
+
+def environment(args) -> dict:
+    import importlib.metadata as md
+
+    info = {"python": platform.python_version(), "host": platform.node(), "mode": args.mode,
+            "memory_cap_gb": args.memory_cap_gb, "command": shlex.join([sys.executable, *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for pkg in ("torch", "transformers", "trl", "deepspeed", "accelerate", "datasets"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    try:
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        info["gpu_count"] = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - reporting only
+        info["gpu"] = None
+    return info
+
+
+def render_table(results: list[dict]) -> str:
+    def f(v, spec=".2f"):
+        return format(v, spec) if isinstance(v, (int, float)) else "n/a"
+
+    lines = ["| Seqlen | Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Step Time (s) | "
+             "Tokens/s | Host RSS (GB) | Pinned host (GB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
+            status = "OOM" if r["oom"] else f"failed (rc {r['rc']})"
+            lines.append(f"| {r['seq_tokens']} | {r['config']} | {status} | | | | | | |")
+            continue
+        lines.append(f"| {r['seq_tokens']} | {r['config']} | {f(r['peak_allocated_gb'])} | {f(r['peak_reserved_gb'])} | "
+                     f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | "
+                     f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["config"] for r in results):
+        pts = [(r["seq_tokens"], r["peak_allocated_gb"]) for r in results
+               if r["config"] == name and r.get("peak_allocated_gb") is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xlabel("tokens per sequence")
+    ax.set_ylabel("peak allocated (GB)")
+    ax.set_title("Peak GPU memory vs sequence length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="recipes/nemotron12b/dpo_12k.yaml")
+    p.add_argument("--configs", default="stock,stock+offload,attn_mlp,norm_attn_mlp,layer+norm_attn_mlp")
+    p.add_argument("--seq-tokens", default="12288", help="comma-separated tokens per sequence")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (mode b)")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--launcher", choices=("deepspeed", "python"), default="deepspeed")
+    p.add_argument("--ds-config", default="ds_configs/zero3.json")
+    p.add_argument("--port", type=int, default=29600)
+    p.add_argument("--memory-cap-gb", type=float, default=None, help="emulate a smaller GPU (e.g. 80 for an H100)")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    args.mode = "zero3" if args.launcher == "deepspeed" else "single-process"
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for seq in [int(s) for s in args.seq_tokens.split(",")]:
+        for name in args.configs.split(","):
+            results.append(run_one(args, name, seq))
+            print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "rc", "peak_allocated_gb",
+                                                                  "peak_reserved_gb", "step_time_s")}), flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"environment": environment(args), "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(render_table(results))
+    plot(results, os.path.join(args.out, "memory_vs_length.png"))
+    return results
+
+
+if __name__ == "__main__":
+    main()
