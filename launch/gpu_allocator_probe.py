@@ -1,0 +1,23 @@
+"""GPU check of the seed's finding and our fix: does PYTORCH_CUDA_ALLOC_CONF take effect when set (a) after
+`import torch` but before CUDA initialises, (b) after CUDA initialises, (c) through the runtime call?
+Each case runs in a fresh process; torch.cuda.memory_stats()['max_split_size'] is read back.
+
+    python launch/gpu_allocator_probe.py > allocator_probe.json
+"""
+
+import json
+import subprocess
+import sys
+
+CASES = {
+    "env_after_import_before_init": "import os, torch; os.environ['PYTORCH_CUDA_ALLOC_CONF'] = os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64'; torch.zeros(1, device='cuda')",
+    "env_after_cuda_init": "import os, torch; torch.zeros(1, device='cuda'); os.environ['PYTORCH_CUDA_ALLOC_CONF'] = os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64'; torch.zeros(1, device='cuda')",
+    "runtime_call_after_init": "import torch; torch.zeros(1, device='cuda'); torch.cuda.memory._set_allocator_settings('max_split_size_mb:64'); torch.zeros(1, device='cuda')",
+    "recipes_allocator_apply_after_init": "import sys; sys.path.insert(0, '.'); import torch; torch.zeros(1, device='cuda'); from recipes import allocator; r = allocator.apply('max_split_size_mb:64'); print(r['path'], file=sys.stderr)",
+}
+out = {}
+for name, code in CASES.items():
+    code += "; import torch; print(torch.cuda.memory_stats().get('max_split_size'))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out[name] = {"max_split_size": p.stdout.strip(), "expected": 64 * 1024 * 1024, "stderr": p.stderr[-300:]}
+print(json.dumps(out, indent=1))
