@@ -9,8 +9,10 @@ invocation on the same GPU, so ratios are honest.
     python launch/bench_memory.py --gpus 1 --layers 4 --seq-tokens 12288 \
         --configs stock,stock+offload,attn_mlp,norm_attn_mlp,norm_attn_mlp+alloc64 --out results/levers_12k
     # CPU smoke (the tests run this): tiny model, python launcher
-    python launch/bench_memory.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --launcher python \
+    python launch/bench_memory.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --mode emulate \
         --seq-tokens 64 --steps 2 --configs stock,norm_attn_mlp --out /tmp/bench
+    # mode (a), per-rank emulation: full 40-layer model, SGD in backward, gradients freed as produced
+    python launch/bench_memory.py --mode emulate --seq-tokens 12288,32768,65536 --configs stock,stock+offload,...
 
 Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (the seed's
 table format) and memory_vs_length.png.
@@ -66,6 +68,8 @@ def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
         overrides["model.num_hidden_layers"] = str(args.layers)
     if args.memory_cap_gb:
         overrides["memory.memory_cap_gb"] = str(args.memory_cap_gb)
+    if args.mode == "emulate":
+        overrides["memory.sgd_in_backward"] = "true"
     flat = [x for k, v in overrides.items() for x in (f"--{k}", v)]
     script = os.path.join(ROOT, "launch", "train_dpo.py")
     if args.launcher == "python":
@@ -82,7 +86,10 @@ def summarise(records: list[dict]) -> dict:
         return fn(vals) if vals else None
 
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return {"peak_allocated_gb": agg("peak_allocated_gb", max), "peak_reserved_gb": agg("peak_reserved_gb", max),
+    peak = agg("peak_allocated_gb", max)
+    weights = steady[-1].get("weights_gb")
+    return {"peak_allocated_gb": peak, "above_weights_gb": round(peak - weights, 3) if peak is not None and weights else None,
+            "weights_gb": weights, "peak_reserved_gb": agg("peak_reserved_gb", max),
             "frag_gap_gb": agg("frag_gap_gb", max), "step_time_s": agg("step_time_s", median),
             "tokens_per_s": agg("tokens_per_s", median), "host_rss_gb": agg("host_rss_gb", max),
             "host_pinned_gb": agg("host_pinned_gb", max), "alloc_retries": agg("alloc_retries", max),
@@ -135,14 +142,15 @@ def render_table(results: list[dict]) -> str:
     def f(v, spec=".2f"):
         return format(v, spec) if isinstance(v, (int, float)) else "n/a"
 
-    lines = ["| Seqlen | Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Step Time (s) | "
-             "Tokens/s | Host RSS (GB) | Pinned host (GB) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| Seqlen | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | Frag gap (GB) | "
+             "Step Time (s) | Tokens/s | Host RSS (GB) | Pinned host (GB) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
             status = "OOM" if r["oom"] else f"failed (rc {r['rc']})"
-            lines.append(f"| {r['seq_tokens']} | {r['config']} | {status} | | | | | | |")
+            lines.append(f"| {r['seq_tokens']} | {r['config']} | {status} | | | | | | | |")
             continue
-        lines.append(f"| {r['seq_tokens']} | {r['config']} | {f(r['peak_allocated_gb'])} | {f(r['peak_reserved_gb'])} | "
+        lines.append(f"| {r['seq_tokens']} | {r['config']} | {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
+                     f"{f(r['peak_reserved_gb'])} | "
                      f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | "
                      f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} |")
     return "\n".join(lines) + "\n"
@@ -178,7 +186,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (mode b)")
     p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--launcher", choices=("deepspeed", "python"), default="deepspeed")
+    p.add_argument("--mode", choices=("zero3", "emulate"), default="zero3",
+                   help="zero3: mode (b), deepspeed launcher + AdamW; emulate: mode (a), one process, SGD in "
+                        "backward with gradients freed (the activation footprint of one ZeRO-3 rank)")
+    p.add_argument("--launcher", choices=("deepspeed", "python"), default=None,
+                   help="defaults to deepspeed for --mode zero3, python for --mode emulate")
     p.add_argument("--ds-config", default="ds_configs/zero3.json")
     p.add_argument("--port", type=int, default=29600)
     p.add_argument("--memory-cap-gb", type=float, default=None, help="emulate a smaller GPU (e.g. 80 for an H100)")
@@ -188,7 +200,9 @@ def parse_args(argv=None):
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
-    args.mode = "zero3" if args.launcher == "deepspeed" else "single-process"
+    args.launcher = args.launcher or ("python" if args.mode == "emulate" else "deepspeed")
+    if args.mode == "emulate" and args.launcher != "python":
+        p.error("--mode emulate runs one process: use --launcher python")
     return args
 
 

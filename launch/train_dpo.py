@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from recipes.data import length_report, load_preferences, load_train_data
     from recipes.distributed import teach_accelerate_cpu_gloo
+    from recipes.emulation import parameter_bytes, sgd_in_backward
     from recipes.modeling import build_model, load_tokenizer
 
     # ---- 3. logging and training arguments ---------------------------------------------------------------------
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         logger.warning("tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)")
     trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
     trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
+    if memory.sgd_in_backward:  # the update happens in backward; the Trainer's SGD then finds no gradients
+        trainer_kwargs.update(optim="sgd", max_grad_norm=0.0)
     teach_accelerate_cpu_gloo()
     args = DPOConfig(**trainer_kwargs)  # with `deepspeed` set this starts the process group
     is_main = args.process_index == 0
@@ -133,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     ref_model = None
     if recipe.model.architecture and not args.precompute_ref_log_probs:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
+    if memory.sgd_in_backward:
+        sgd_in_backward(model, args.learning_rate)
+    memory_callback.weights_gb = parameter_bytes(model, ref_model) / 1e9
 
     # ---- 6. trainer ----------------------------------------------------------------------------------------------
     class RecipeDPOTrainer(DPOTrainer):

@@ -53,6 +53,7 @@ class MemoryCallback(TrainerCallback):
         (it does so before importing torch at all); otherwise it is applied here, before CUDA initialises."""
         self.memory = memory
         self.allocator = allocator_record or allocator.apply(memory.allocator_conf)
+        self.weights_gb: float | None = None  # parameter bytes on this rank (policy + reference), set by the entrypoint
         self.records: list[dict] = []
         self.last_record: dict = {}
         self._microbatches = 0
@@ -125,6 +126,7 @@ class MemoryCallback(TrainerCallback):
         tokens = state.num_input_tokens_seen - self._tokens_at_start  # gathered over ranks by the Trainer
         record = {"step": state.global_step, **{k: round(v, 4) for k, v in reduced.items()},
                   "tokens": tokens, "tokens_per_s": round(tokens / reduced["step_time_s"], 1),
+                  "weights_gb": round(self.weights_gb, 4) if self.weights_gb is not None else None,
                   "allocator_conf": self.allocator["allocator_conf"], "cuda": self._cuda()}
         if not self._cuda():  # no GPU: the GPU fields mean nothing
             for k in ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "ooms", "host_pinned_gb"):

@@ -90,6 +90,8 @@ class MemoryArgs:
     snapshot_steps (int, defaults to 0): record CUDA memory history for the first N steps and dump a snapshot
         (open it at https://pytorch.org/memory_viz).
     telemetry (bool, defaults to True): per-step memory/time telemetry to the logs and memory.jsonl.
+    sgd_in_backward (bool, defaults to False): benchmark mode (a), one process: apply SGD to each parameter in
+        backward and free its gradient at once (what a ZeRO-3 rank keeps); see recipes/emulation.py.
     memory_cap_gb (float, defaults to None): cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction),
         e.g. 80 to emulate an 80 GB H100 on a larger GPU.
     """
@@ -101,6 +103,7 @@ class MemoryArgs:
     empty_cache_microbatches: int = 0
     snapshot_steps: int = 0
     telemetry: bool = True
+    sgd_in_backward: bool = False
     memory_cap_gb: float | None = None
 
 

@@ -53,10 +53,20 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         )
     if t.get("deepspeed"):
         check_deepspeed_config(t["deepspeed"])
+    if mem.sgd_in_backward:
+        if t.get("deepspeed") or world_size > 1:
+            raise RecipeError("`memory.sgd_in_backward` emulates one rank in a single process; drop the DeepSpeed "
+                              "config / launcher, or set `memory.sgd_in_backward: false`.")
+        if t.get("gradient_accumulation_steps", 1) != 1:
+            raise RecipeError("`memory.sgd_in_backward` updates inside backward, so it needs "
+                              "`gradient_accumulation_steps: 1`.")
 
     # Precision: DPOConfig defaults to bf16, which a CPU-only machine refuses.
     if not cuda_available and (t.get("bf16") or t.get("fp16")):
         raise RecipeError("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")
+    if not cuda_available and t.get("activation_offloading"):
+        raise RecipeError("TRL's activation offloading moves activations to pinned host memory from a GPU; on a "
+                          "CPU-only machine set `activation_offloading: false`.")
     if not cuda_available and recipe.model.dtype != "float32":
         raise RecipeError(f"`model.dtype: {recipe.model.dtype}` on a CPU-only machine: set `model.dtype: float32`.")
 
