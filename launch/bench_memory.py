@@ -70,7 +70,9 @@ def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
         overrides["memory.memory_cap_gb"] = str(args.memory_cap_gb)
     if args.mode == "emulate":
         overrides["memory.sgd_in_backward"] = "true"
-    flat = [x for k, v in overrides.items() for x in (f"--{k}", v)]
+    if args.snapshot:
+        overrides["memory.snapshot_steps"] = "2"
+    flat = [x for k, v in overrides.items() for x in (f"--{k}", v)] + ["--no_final_save"]
     script = os.path.join(ROOT, "launch", "train_dpo.py")
     if args.launcher == "python":
         return [sys.executable, script, "--recipe", args.recipe, *flat]
@@ -110,6 +112,11 @@ def run_one(args, name: str, seq: int) -> dict:
     if os.path.exists(jsonl):
         records = [json.loads(line) for line in open(jsonl)]
         result.update(summarise(records), allocator_conf=records[-1].get("allocator_conf"))
+    snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
+    if os.path.exists(snap):
+        from launch.analyze_snapshot import peak_holders
+
+        result["peak_holders"] = peak_holders(snap)
     summary = os.path.join(out_dir, "train_summary.json")
     if os.path.exists(summary):
         s = json.load(open(summary))
@@ -195,6 +202,8 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=29600)
     p.add_argument("--memory-cap-gb", type=float, default=None, help="emulate a smaller GPU (e.g. 80 for an H100)")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--snapshot", action="store_true",
+                   help="record CUDA memory history for 2 steps and write what holds the peak (analyze_snapshot.py)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
@@ -206,6 +215,15 @@ def parse_args(argv=None):
     return args
 
 
+def write_outputs(args, results: list[dict]) -> None:
+    """Rewritten after every run, so a benchmark stopped half-way keeps what it measured."""
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"environment": environment(args), "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(render_table(results))
+    plot(results, os.path.join(args.out, "memory_vs_length.png"))
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -213,13 +231,9 @@ def main(argv=None) -> list[dict]:
     for seq in [int(s) for s in args.seq_tokens.split(",")]:
         for name in args.configs.split(","):
             results.append(run_one(args, name, seq))
-            print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "rc", "peak_allocated_gb",
+            print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "rc", "above_weights_gb",
                                                                   "peak_reserved_gb", "step_time_s")}), flush=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"environment": environment(args), "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(render_table(results))
-    plot(results, os.path.join(args.out, "memory_vs_length.png"))
+            write_outputs(args, results)
     return results
 
 

@@ -10,7 +10,7 @@
     accelerate launch --config_file launch/accelerate/zero3.yaml launch/train_dpo.py --recipe <yaml>
 
 Any `--key value` overrides the recipe (`--max_steps 10`, `--memory.checkpointing attn_mlp`).
-`--resume_from_checkpoint <dir|true>` continues a run.
+`--resume_from_checkpoint <dir|true>` continues a run; `--no_final_save` skips saving the final model.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ logger = logging.getLogger("train_dpo")
 def parse_cli(argv: list[str]) -> dict:
     """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
     DeepSpeed JSON, --resume_from_checkpoint; everything else is `--key value` overrides."""
-    cli = {"recipe": None, "deepspeed": None, "resume": None, "overrides": {}}
+    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "overrides": {}}
     rest = []
     i = 0
     while i < len(argv):
@@ -44,7 +44,9 @@ def parse_cli(argv: list[str]) -> dict:
             value = argv[i + 1]
             i += 1
         i += 1
-        if key == "--recipe":
+        if key == "--no_final_save":  # benchmarks: a random-init 12B model is not worth 24 GB of disk
+            cli["save"] = False
+        elif key == "--recipe":
             cli["recipe"] = value
         elif key in ("--local_rank", "--local-rank"):
             os.environ.setdefault("LOCAL_RANK", value)
@@ -170,9 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- 7. train and save ---------------------------------------------------------------------------------------
     result = trainer.train(resume_from_checkpoint=cli["resume"])
-    trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
-    if is_main:
-        tokenizer.save_pretrained(args.output_dir)
+    if cli["save"]:
+        trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
+        if is_main:
+            tokenizer.save_pretrained(args.output_dir)
     summary = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "train_loss": result.training_loss,

@@ -43,7 +43,8 @@ def _host_memory() -> tuple[float, float | None]:
     rss = psutil.Process().memory_info().rss / GB
     pinned = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) / GB
+        # pinned blocks owned by the host caching allocator (TRL's activation offloading allocates there)
+        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0) / GB
     return rss, pinned
 
 
@@ -91,12 +92,14 @@ class MemoryCallback(TrainerCallback):
                 logger.warning("allocator max_split_size does not match memory.allocator_conf: the setting did not "
                                "reach the allocator (was CUDA initialised before the entrypoint ran?)")
             if self.memory.snapshot_steps:
-                torch.cuda.memory._record_memory_history(max_entries=200_000)
+                torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
                 self._snapshotting = True
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._cuda():
             torch.cuda.reset_peak_memory_stats()
+            if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+                torch.cuda.reset_peak_host_memory_stats()
         self._tokens_at_start = state.num_input_tokens_seen
         self._step_start = time.perf_counter()
 
