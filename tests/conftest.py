@@ -1,0 +1,67 @@
+"""Shared helpers: run the real entrypoint under the real launchers on CPU (gloo), tiny Mistral built in code."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+BIN = os.path.dirname(sys.executable)
+TINY = os.path.join(ROOT, "recipes", "tiny_mistral", "dpo_quickstart.yaml")
+TRAIN = os.path.join(ROOT, "launch", "train_dpo.py")
+ZERO3 = os.path.join(ROOT, "ds_configs", "zero3.json")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(out_dir, *overrides: str, launcher: str = "python", procs: int = 1, recipe: str = TINY,
+              env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Launch launch/train_dpo.py the way users do; returns the finished process (stdout+stderr in .stdout)."""
+    args = ["--recipe", recipe, "--output_dir", str(out_dir), *overrides]
+    if launcher == "python":
+        cmd = [sys.executable, TRAIN, *args]
+    elif launcher == "deepspeed":
+        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(procs), "--master_port", str(free_port()),
+               TRAIN, ZERO3, *args]
+    elif launcher == "accelerate":
+        cmd = [os.path.join(BIN, "accelerate"), "launch", "--config_file",
+               os.path.join(ROOT, "launch", "accelerate", "zero3.yaml"), "--num_processes", str(procs),
+               "--main_process_port", str(free_port()), TRAIN, *args]
+    else:
+        raise ValueError(launcher)
+    full_env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return proc
+
+
+def summary(out_dir) -> dict:
+    with open(os.path.join(out_dir, "train_summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Mistral + byte tokenizer saved as a local Hugging Face directory (the `name_or_path` form)."""
+    from recipes.config import ModelArgs
+    from recipes.modeling import build_byte_tokenizer, build_model
+
+    path = tmp_path_factory.mktemp("tiny_mistral_hf")
+    model = build_model(ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte",
+                                  dtype="float32", init_seed=3))
+    model.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return str(path)
