@@ -65,7 +65,15 @@ def load_preferences(files: list[str], key: str = "train_files", max_samples: in
         builders = {LOADERS.get(e) for e in exts}
         if len(builders) != 1 or None in builders:
             raise RecipeError(f"`data.{key}` mixes file types {sorted(exts)}; use one of .jsonl/.json/.parquet.")
-        ds = datasets.load_dataset(builders.pop(), data_files=paths, split="train")
+        empty = [f for f, p in zip(files, paths) if os.path.getsize(p) == 0]
+        if empty:
+            raise RecipeError(f"`data.{key}` file(s) {empty} are empty; fill them or remove them from the recipe.")
+        try:
+            ds = datasets.load_dataset(builders.pop(), data_files=paths, split="train")
+        except datasets.exceptions.DatasetGenerationError as e:
+            cause = e.__cause__ or e
+            raise RecipeError(f"`data.{key}` could not be read ({type(cause).__name__}: {str(cause)[:200]}); "
+                              "fix the file (one JSON object per line for .jsonl).") from None
     missing = {"chosen", "rejected"} - set(ds.column_names)
     if missing:
         raise RecipeError(

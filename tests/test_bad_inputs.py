@@ -1,0 +1,123 @@
+"""Every bad input gives one clear error naming the fix, before any model is loaded, and loses nothing written."""
+
+import json
+import os
+
+import pytest
+from conftest import ROOT, TINY, run_train
+
+from recipes.config import RecipeError, load_recipe, parse_overrides
+from recipes.validate import check_recipe
+
+
+def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = False):
+    r = load_recipe(recipe, parse_overrides(list(argv)))
+    check_recipe(r, world_size=world_size, cuda_available=cuda)
+    return r
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--learning_rat", "1e-5"], "Unknown key `learning_rat`.*Did you mean `learning_rate`"),
+    (["--memory.checkpointng", "layer"], "Unknown key `memory.checkpointng`.*Did you mean `checkpointing`"),
+    (["--model.dtpye", "float32"], "Unknown key `model.dtpye`.*Did you mean `dtype`"),
+    (["--max_steps", "ten"], "`max_steps` must be a number"),
+    (["--gradient_checkpointing", "true"], "memory.checkpointing"),
+    (["--memory.checkpointing", "norm_atn"], "Did you mean `norm_attn`"),
+    (["--memory.empty_cache_steps", "1", "--torch_empty_cache_steps", "1"], "remove `torch_empty_cache_steps`"),
+    (["--memory.empty_cache_steps", "-1"], "`memory.empty_cache_steps` must be >= 0"),
+    (["--bf16", "true"], "set `bf16: false`"),
+    (["--model.dtype", "bfloat16"], "set `model.dtype: float32`"),
+    (["--model.dtype", "float64"], "`model.dtype` must be one of"),
+    (["--activation_offloading", "true"], "set `activation_offloading: false`"),
+    (["--max_length", "1"], "`max_length` must be an integer >= 2"),
+    (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size` must be a positive integer"),
+    (["--data.global_batch_size", "8"], r"set `gradient_accumulation_steps: 2`"),
+    (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
+    (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
+    (["--data.train_files", "[]"], "No training data"),
+    (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "exactly the keys"),
+    (["--model.name_or_path", "some/dir"], "Set exactly one of `model.name_or_path`"),
+    (["--model.architecture", "null", "--model.name_or_path", "org/model"], "not a local directory"),
+    (["--model.architecture", "recipes/architectures/nope.json"], "does not exist"),
+    (["--model.tokenizer", "null"], "set `model.tokenizer: byte`"),
+    (["--deepspeed", "ds_configs/nope.json"], "does not exist; pass one of ds_configs"),
+    (["--memory.sgd_in_backward", "true", "--deepspeed", "ds_configs/zero3.json"], "single process"),
+    (["--memory.allocator_conf", "max_split_size_mb=64"], "malformed; write `key:value`"),
+])
+def test_bad_recipe_values(argv, message):
+    with pytest.raises(RecipeError, match=message):
+        check(*argv)
+
+
+def test_global_batch_checked_against_ranks():
+    check("--data.global_batch_size", "8", "--per_device_train_batch_size", "1", world_size=8, cuda=True,
+          recipe="recipes/nemotron12b/dpo_12k.yaml")
+    with pytest.raises(RecipeError, match="x 4 ranks = 4"):
+        check("--per_device_train_batch_size", "1", world_size=4, cuda=True, recipe="recipes/nemotron12b/dpo_12k.yaml")
+
+
+def test_recipe_file_problems(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist; pass an existing YAML"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("beta: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(RecipeError, match="must be a YAML mapping"):
+        load_recipe(bad)
+
+
+def test_invalid_deepspeed_json(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text("{not json")
+    with pytest.raises(RecipeError, match="not valid JSON"):
+        check("--deepspeed", str(ds))
+
+
+def test_command_line_shape_errors():
+    with pytest.raises(RecipeError, match="needs a value"):
+        parse_overrides(["--max_steps"])
+    with pytest.raises(RecipeError, match="Unexpected argument 'oops'"):
+        parse_overrides(["oops"])
+
+
+def test_yaml_no_means_the_word_no():
+    r = load_recipe(TINY, parse_overrides(["--save_strategy", "no"]))
+    assert r.trainer["save_strategy"] == "no"
+
+
+@pytest.mark.parametrize("text,message", [
+    (json.dumps({"prompt": "a", "chosen": "b"}) + "\n", r"lack column\(s\) \['rejected'\]"),
+    ("", "are empty"),
+    ('{"prompt": "a", "chosen": "b", "rejected": \n', "could not be read"),
+])
+def test_bad_data_files(tmp_path, text, message):
+    from recipes.data import load_preferences
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(text)
+    with pytest.raises(RecipeError, match=message):
+        load_preferences([str(f)])
+
+
+def test_entrypoint_error_exits_2_with_one_line_and_loses_nothing(tmp_path):
+    """All pairs dropped by max_length: found after tokenization, still before training; the output dir a user
+    pointed at keeps what it had and gains nothing."""
+    (tmp_path / "precious.txt").write_text("keep me")
+    proc = run_train(tmp_path, "--max_length", "5", check=False)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Raise `max_length`" in errors[0]
+    assert "Traceback" not in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["precious.txt"]
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_entrypoint_without_recipe_names_the_flag(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_dpo.py")], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "pass `--recipe" in proc.stderr

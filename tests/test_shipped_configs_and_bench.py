@@ -1,0 +1,136 @@
+"""Every shipped recipe, DeepSpeed JSON and accelerate config is valid; the benchmark's own logic is right."""
+
+import glob
+import json
+import os
+import pickle
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from recipes.config import load_recipe
+from recipes.validate import check_deepspeed_config, check_recipe
+
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*", "*.yaml")))
+DS_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
+ACCELERATE = sorted(glob.glob(os.path.join(ROOT, "launch", "accelerate", "*.yaml")))
+
+
+def test_something_is_shipped():
+    assert len(RECIPES) >= 2 and len(DS_CONFIGS) >= 2 and len(ACCELERATE) >= 2
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_recipe_is_valid(path):
+    recipe = load_recipe(path)
+    gpu = recipe.model.dtype != "float32"
+    ranks = (recipe.data.global_batch_size or 1) // recipe.trainer.get("per_device_train_batch_size", 8) or 1
+    check_recipe(recipe, world_size=ranks, cuda_available=gpu)
+    header = open(path).read().split("\n\n")[0]
+    for word in ("Hardware:", "Global batch:", "Tokens per step:", "Launch:"):
+        assert word in header, f"{path} header lacks {word}"
+
+
+def test_12k_recipe_is_the_seeds_setting():
+    r = load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_12k.yaml"))
+    t = r.trainer
+    assert (t["max_length"], t["beta"], t["loss_type"], t["learning_rate"], t["lr_scheduler_type"]) == \
+        (12288, 0.1, ["sigmoid"], 1e-6, "constant")
+    assert r.data.global_batch_size == 8 and r.data.synthetic["seq_tokens"] == 12288
+    arch = json.load(open(os.path.join(ROOT, r.model.architecture)))
+    assert (arch["hidden_size"], arch["num_hidden_layers"], arch["num_attention_heads"], arch["num_key_value_heads"],
+            arch["head_dim"], arch["intermediate_size"], arch["vocab_size"], arch["rope_theta"]) == \
+        (5120, 40, 32, 8, 128, 14336, 131072, 1e6)
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=os.path.basename)
+def test_deepspeed_json(path):
+    cfg = check_deepspeed_config(path)
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
+    # the recipe is the single source of batch size, lr and clipping
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        assert cfg[key] == "auto", key
+    assert cfg["bf16"]["enabled"] == "auto"
+    assert "optimizer" not in cfg and "scheduler" not in cfg  # they come from the recipe via the Trainer
+
+
+@pytest.mark.parametrize("path", ACCELERATE, ids=os.path.basename)
+def test_accelerate_config_points_at_a_shipped_deepspeed_json(path):
+    cfg = yaml.safe_load(open(path))
+    assert cfg["distributed_type"] == "DEEPSPEED"
+    assert os.path.isfile(os.path.join(ROOT, cfg["deepspeed_config"]["deepspeed_config_file"]))
+
+
+def test_bench_command_layers_configuration_over_neutral_base():
+    from launch.bench_memory import build_command, parse_args
+
+    args = parse_args(["--out", "/tmp/x", "--configs", "layer+norm_attn_mlp+offload", "--layers", "4",
+                       "--memory-cap-gb", "80", "--mode", "emulate"])
+    cmd = build_command(args, "layer+norm_attn_mlp+offload", 4096, "/tmp/x/run")
+    flags = dict(zip(cmd[2:-1:2], cmd[3:-1:2]))  # [python, train_dpo.py, --key, value, ..., --no_final_save]
+    assert cmd[1].endswith("train_dpo.py") and cmd[-1] == "--no_final_save"
+    assert flags["--memory.checkpointing"] == "layer+norm_attn_mlp"
+    assert flags["--activation_offloading"] == "true" and flags["--memory.allocator_conf"] == "null"
+    assert flags["--max_length"] == "4096" and flags["--model.num_hidden_layers"] == "4"
+    assert flags["--memory.sgd_in_backward"] == "true" and flags["--memory.memory_cap_gb"] == "80"
+    assert json.loads(flags["--data.synthetic"])["seq_tokens"] == 4096
+    z3 = parse_args(["--out", "/tmp/x", "--gpus", "8"])
+    cmd = build_command(z3, "stock", 12288, "/tmp/x/run")
+    assert cmd[:3] == ["deepspeed", "--num_gpus", "8"] and "ds_configs/zero3.json" in cmd
+
+
+def test_bench_summary_and_table():
+    from launch.bench_memory import render_table, summarise
+
+    records = [{"peak_allocated_gb": 90.0, "peak_reserved_gb": 95.0, "frag_gap_gb": 5.0, "step_time_s": 9.0,
+                "tokens_per_s": 1.0, "host_rss_gb": 2.0, "host_pinned_gb": 0.0, "alloc_retries": 0, "weights_gb": 49.0},
+               {"peak_allocated_gb": 60.0, "peak_reserved_gb": 70.0, "frag_gap_gb": 10.0, "step_time_s": 6.0,
+                "tokens_per_s": 4000.0, "host_rss_gb": 2.0, "host_pinned_gb": 1.0, "alloc_retries": 0, "weights_gb": 49.0},
+               {"peak_allocated_gb": 62.0, "peak_reserved_gb": 69.0, "frag_gap_gb": 7.0, "step_time_s": 7.0,
+                "tokens_per_s": 3500.0, "host_rss_gb": 3.0, "host_pinned_gb": 1.5, "alloc_retries": 1, "weights_gb": 49.0}]
+    s = summarise(records)  # the first (warm-up) step is left out
+    assert s["peak_allocated_gb"] == 62.0 and s["above_weights_gb"] == 13.0 and s["peak_reserved_gb"] == 70.0
+    assert s["step_time_s"] == 7.0 and s["steps_measured"] == 2
+    table = render_table([{"config": "ours", "seq_tokens": 12288, "rc": 0, "oom": False, **s},
+                          {"config": "stock", "seq_tokens": 65536, "rc": 1, "oom": True}])
+    assert "| 12288 | ours | 62.00 | 13.00 | 70.00 |" in table
+    assert "| 65536 | stock | OOM |" in table
+
+
+def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
+    from launch.analyze_snapshot import peak_holders
+
+    mlp = [{"filename": "/x/transformers/models/mistral/modeling_mistral.py", "line": 47, "name": "forward"}]
+    norm = [{"filename": "/x/transformers/models/mistral/modeling_mistral.py", "line": 194, "name": "forward"}]
+    mb = 10**6
+    trace = [{"action": "alloc", "addr": 1, "size": 300 * mb, "frames": mlp},
+             {"action": "alloc", "addr": 2, "size": 200 * mb, "frames": norm},
+             {"action": "free_completed", "addr": 1, "size": 300 * mb},
+             {"action": "alloc", "addr": 3, "size": 250 * mb, "frames": mlp},  # total 450 < earlier 500
+             {"action": "alloc", "addr": 4, "size": 100 * mb, "frames": []}]  # total 550: the peak
+    path = tmp_path / "snap.pickle"
+    pickle.dump({"segments": [], "device_traces": [trace]}, open(path, "wb"))
+    out = peak_holders(str(path))
+    assert out["peak_during_training_gb"] == 0.55
+    sites = {h["site"]: h["gb"] for h in out["top_holders"]}
+    assert sites == {"transformers/models/mistral/modeling_mistral.py:47 forward": 0.25,
+                     "transformers/models/mistral/modeling_mistral.py:194 forward": 0.2,
+                     "other (no model/TRL frame)": 0.1}
+
+
+def test_bench_end_to_end_on_cpu(tmp_path):
+    """The real path: two configurations in fresh processes, results JSON + table + chart."""
+    from launch.bench_memory import main
+
+    results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "emulate",
+                    "--seq-tokens", "48", "--steps", "2", "--prompt-tokens", "8",
+                    "--configs", "stock,layer+norm_attn_mlp", "--out", str(tmp_path)])
+    assert [r["rc"] for r in results] == [0, 0]
+    assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)  # levers change no numerics
+    saved = json.load(open(tmp_path / "results.json"))
+    assert saved["environment"]["mode"] == "emulate" and saved["environment"]["trl"] == "1.16.0"
+    assert (tmp_path / "results.md").read_text().count("| 48 |") == 2
+    assert os.path.getsize(tmp_path / "memory_vs_length.png") > 1000
