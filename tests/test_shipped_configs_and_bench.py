@@ -75,7 +75,7 @@ def test_bench_command_layers_configuration_over_neutral_base():
     assert flags["--memory.checkpointing"] == "layer+norm_attn_mlp"
     assert flags["--activation_offloading"] == "true" and flags["--memory.allocator_conf"] == "null"
     assert flags["--max_length"] == "4096" and flags["--model.num_hidden_layers"] == "4"
-    assert flags["--memory.sgd_in_backward"] == "true" and flags["--memory.memory_cap_gb"] == "80"
+    assert flags["--memory.sgd_in_backward"] == "true" and flags["--memory.memory_cap_gb"] == "80.0"
     assert json.loads(flags["--data.synthetic"])["seq_tokens"] == 4096
     z3 = parse_args(["--out", "/tmp/x", "--gpus", "8"])
     cmd = build_command(z3, "stock", 12288, "/tmp/x/run")
@@ -103,8 +103,8 @@ def test_bench_summary_and_table():
 def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
     from launch.analyze_snapshot import peak_holders
 
-    mlp = [{"filename": "/x/transformers/models/mistral/modeling_mistral.py", "line": 47, "name": "forward"}]
-    norm = [{"filename": "/x/transformers/models/mistral/modeling_mistral.py", "line": 194, "name": "forward"}]
+    mlp = [{"filename": "/venv/lib/site-packages/transformers/models/mistral/modeling_mistral.py", "line": 47, "name": "forward"}]
+    norm = [{"filename": "/venv/lib/site-packages/transformers/models/mistral/modeling_mistral.py", "line": 194, "name": "forward"}]
     mb = 10**6
     trace = [{"action": "alloc", "addr": 1, "size": 300 * mb, "frames": mlp},
              {"action": "alloc", "addr": 2, "size": 200 * mb, "frames": norm},
