@@ -23,6 +23,17 @@ inputs are captured by the recompute closure and stay alive until backward. Mist
 ~10 GB over 40 layers) was pinned. Here every wrapped module passes its keyword tensors positionally into the
 checkpoint, so nesting inside the layer checkpoint keeps nothing beyond what the layer checkpoint keeps.
 
+Which wins where (one H200, 40-layer 12B architecture, one pair, SGD in backward, GB above the 49 GB of weights;
+results/gpu_2026-12-02_emulate_12k and results/gpu_2026-12-02_snapshot_12k_64k):
+  12k  layer (stock) 17.14 / 6.23 s   norm_attn_mlp 45.81 / 6.15 s   layer+norm_attn_mlp 15.61 / 6.65 s
+       with TRL activation offloading: layer 7.33 / 6.26 s   layer+norm_attn_mlp 5.56 / 6.66 s (best)
+       layer+norm_attn + TiledMLP(8) 6.64 / 9.71 s
+  64k  with offloading: layer 38.78 / 54.7 s   layer+norm_attn_mlp 29.36 / 61.0 s (best)
+Module checkpoints without the layer checkpoint (the seed's DTensor setting) keep every module input of every layer
+and lose badly here; nested inside it they cut the per-layer backward peak (the fp32 norm casts, 2 x 1.0 GB at 12k,
+drop to 0.5 GB). At 12k the peak that remains is one MLP's recomputed intermediates (2.1 GB) and the LM-head /
+embedding gradients (2.4 GB).
+
 Tiling (`memory.tiled_mlp: N`): DeepSpeed's TiledMLP runs each MLP over N sequence tiles and recomputes it in
 backward, so only the MLP input is kept and the 14336-wide intermediates exist one tile at a time. A tiled MLP is
 not checkpointed a second time.

@@ -85,7 +85,8 @@ class MemoryArgs:
     tiled_mlp (int, defaults to 0): split each MLP over this many sequence tiles (DeepSpeed TiledMLP); 0 = off.
     allocator_conf (str, defaults to None): PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64".
         Applied before CUDA initialises; overrides the environment's value (the log says which won).
-    empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps.
+    empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps. Setting
+        TRL's `torch_empty_cache_steps` as well is an error (the cache would be emptied twice); use this one.
     empty_cache_microbatches (int, defaults to 0): the same every N micro-batches (costs speed; off by default).
     snapshot_steps (int, defaults to 0): record CUDA memory history for the first N steps and dump a snapshot
         (open it at https://pytorch.org/memory_viz).

@@ -83,3 +83,13 @@ def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles):
     s = summary(tmp_path)
     assert sum(s["wrapped"].values()) > 0
     assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
+
+
+@pytest.mark.parametrize("launcher,procs,per_device", [("python", 1, 4), ("deepspeed", 2, 2)])
+def test_precompute_ref_log_probs(tmp_path, launcher, procs, per_device):
+    """Reference log-probs computed once before training (no reference model kept): the same ln 2 start."""
+    run_train(tmp_path, "--max_steps", "2", "--save_strategy", "no", "--report_to", "none",
+              "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", str(per_device),
+              launcher=launcher, procs=procs)
+    losses = summary(tmp_path)["losses"]
+    assert abs(losses[0] - math.log(2)) < 1e-4 and losses[1] < losses[0]
