@@ -30,32 +30,38 @@ logger = logging.getLogger("train_dpo")
 
 def parse_cli(argv: list[str]) -> dict:
     """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
-    DeepSpeed JSON, --resume_from_checkpoint; everything else is `--key value` overrides."""
+    DeepSpeed JSON, --deepspeed, --resume_from_checkpoint, --no_final_save; everything else is `--key value`."""
     cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "overrides": {}}
+    own = ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
     rest = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        key, eq, value = arg.partition("=")
-        takes_value = key in ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
-        if takes_value and not eq:
-            if i + 1 >= len(argv):
-                raise RecipeError(f"`{key}` needs a value.")
-            value = argv[i + 1]
-            i += 1
         i += 1
+        if not arg.startswith("--"):
+            if not arg.endswith(".json"):
+                raise RecipeError(f"Unexpected argument {arg!r}: overrides are `--key value` (e.g. `--max_steps 10`).")
+            cli["deepspeed"] = arg  # `deepspeed launch/train_dpo.py ds_configs/zero3.json ...`
+            continue
+        key, eq, value = arg.partition("=")
         if key == "--no_final_save":  # benchmarks: a random-init 12B model is not worth 24 GB of disk
             cli["save"] = False
+            continue
+        if not eq:  # the value is the next argument, whatever it looks like
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise RecipeError(f"`{key}` needs a value: `{key} <value>`.")
+            value = argv[i]
+            i += 1
+        if key not in own:
+            rest += [key, value]
         elif key == "--recipe":
             cli["recipe"] = value
         elif key in ("--local_rank", "--local-rank"):
             os.environ.setdefault("LOCAL_RANK", value)
         elif key == "--resume_from_checkpoint":
             cli["resume"] = True if value.lower() == "true" else value
-        elif key == "--deepspeed" or (not arg.startswith("--") and arg.endswith(".json")):
-            cli["deepspeed"] = value if key == "--deepspeed" else arg
         else:
-            rest.append(arg)
+            cli["deepspeed"] = value
     cli["overrides"] = parse_overrides(rest)
     if cli["deepspeed"]:
         cli["overrides"]["deepspeed"] = cli["deepspeed"]
@@ -99,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from recipes.data import length_report, load_preferences, load_train_data
     from recipes.distributed import teach_accelerate_cpu_gloo
-    from recipes.emulation import parameter_bytes, sgd_in_backward
-    from recipes.modeling import build_model, load_tokenizer
+    from recipes.emulation import local_parameters, parameter_bytes, sgd_in_backward
+    from recipes.modeling import build_model, load_architecture, load_tokenizer
 
     # ---- 3. logging and training arguments ---------------------------------------------------------------------
     trainer_kwargs = dict(recipe.trainer)
@@ -127,13 +133,13 @@ def main(argv: list[str] | None = None) -> dict:
     train_raw = load_train_data(recipe.data)
     eval_raw = load_preferences(recipe.data.eval_files, "eval_files") if recipe.data.eval_files else None
 
+    vocab_size = load_architecture(recipe.model).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise RecipeError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}; "
+                          "use a matching `model.tokenizer`.")
+
     # ---- 5. model: policy (patched) and reference (an identical copy for random-init runs) ---------------------
     model = build_model(recipe.model)
-    if len(tokenizer) > model.config.vocab_size:
-        raise RecipeError(
-            f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
-            "use a matching `model.tokenizer`."
-        )
     wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp)
     ref_model = None
     if recipe.model.architecture and not args.precompute_ref_log_probs:
@@ -183,18 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
         "length_report": report,
         "wrapped": wrapped,
         "allocator": memory_callback.allocator,
-        "partition_numel_per_rank": _gather(_local_partition_numel(trainer.model_wrapped)),
+        "partition_numel_per_rank": _gather(sum(t.numel() for t in local_parameters(trainer.model_wrapped))),
         "total_numel": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
     }
     if is_main:
         with open(os.path.join(args.output_dir, "train_summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
     return summary
-
-
-def _local_partition_numel(model) -> int:
-    """Parameters this rank holds: its ZeRO-3 shard (ds_tensor) or, without ZeRO-3, everything."""
-    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
 
 
 def _gather(value) -> list:

@@ -184,7 +184,7 @@ def parse_overrides(argv: list[str]) -> dict:
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise RecipeError(f"`--{key}` needs a value (e.g. `--{key} true`).")
+                raise RecipeError(f"`--{key}` needs a value: `--{key} <value>`.")
             value = argv[i + 1]
             i += 1
         i += 1

@@ -28,13 +28,13 @@ def sgd_in_backward(model: torch.nn.Module, lr: float) -> int:
     return n
 
 
-def parameter_bytes(*models) -> int:
-    """Bytes of parameters this rank holds (its ZeRO-3 shard when partitioned)."""
-    total = 0
+def local_parameters(*models):
+    """The parameter tensors this rank holds: its ZeRO-3 shard (`ds_tensor`) when partitioned, else the parameter."""
     for model in models:
-        if model is None:
-            continue
-        for p in model.parameters():
-            t = getattr(p, "ds_tensor", p)
-            total += t.numel() * t.element_size()
-    return total
+        if model is not None:
+            for p in model.parameters():
+                yield getattr(p, "ds_tensor", p)
+
+
+def parameter_bytes(*models) -> int:
+    return sum(t.numel() * t.element_size() for t in local_parameters(*models))

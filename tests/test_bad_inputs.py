@@ -121,3 +121,29 @@ def test_entrypoint_without_recipe_names_the_flag(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_dpo.py")], capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 2 and "pass `--recipe" in proc.stderr
+
+
+def test_launcher_arguments_are_told_apart_from_overrides(monkeypatch):
+    import sys
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # parse_cli exports --local_rank; restore the env afterwards
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from train_dpo import parse_cli
+
+    # what the deepspeed launcher passes: --local_rank first, the DeepSpeed JSON positionally
+    cli = parse_cli(["--local_rank=0", "ds_configs/zero3.json", "--recipe", "r.yaml", "--model.architecture",
+                     "other.json", "--resume_from_checkpoint", "out/checkpoint-2", "--no_final_save", "--beta=0.2"])
+    assert cli["recipe"] == "r.yaml" and cli["resume"] == "out/checkpoint-2" and cli["save"] is False
+    assert cli["overrides"] == {"deepspeed": "ds_configs/zero3.json", "model": {"architecture": "other.json"},
+                                "beta": 0.2}
+    assert parse_cli(["--deepspeed", "ds.json", "--recipe", "r.yaml"])["overrides"]["deepspeed"] == "ds.json"
+    with pytest.raises(RecipeError, match="Unexpected argument 'stray'"):
+        parse_cli(["stray"])
+
+
+def test_tokenizer_larger_than_vocab_is_caught_before_the_model_is_built(tmp_path):
+    arch = json.load(open(os.path.join(ROOT, "recipes", "architectures", "tiny_mistral.json")))
+    arch["vocab_size"] = 100
+    (tmp_path / "small_vocab.json").write_text(json.dumps(arch))
+    proc = run_train(tmp_path / "out", "--model.architecture", str(tmp_path / "small_vocab.json"), check=False)
+    assert proc.returncode == 2 and "tokenizer has 263 tokens but the model's vocab_size is 100" in proc.stdout
