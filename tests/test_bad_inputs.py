@@ -126,7 +126,7 @@ def test_entrypoint_without_recipe_names_the_flag(tmp_path):
 def test_launcher_arguments_are_told_apart_from_overrides(monkeypatch):
     import sys
 
-    monkeypatch.delenv("LOCAL_RANK", raising=False)  # parse_cli exports --local_rank; restore the env afterwards
+    monkeypatch.setenv("LOCAL_RANK", "0")  # parse_cli exports --local_rank; monkeypatch removes it afterwards
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     from train_dpo import parse_cli
 
