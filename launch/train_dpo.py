@@ -31,7 +31,7 @@ logger = logging.getLogger("train_dpo")
 def parse_cli(argv: list[str]) -> dict:
     """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
     DeepSpeed JSON, --deepspeed, --resume_from_checkpoint, --no_final_save; everything else is `--key value`."""
-    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "overrides": {}}
+    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "preflight": True, "overrides": {}}
     own = ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
     rest = []
     i = 0
@@ -46,6 +46,9 @@ def parse_cli(argv: list[str]) -> dict:
         key, eq, value = arg.partition("=")
         if key == "--no_final_save":  # benchmarks: a random-init 12B model is not worth 24 GB of disk
             cli["save"] = False
+            continue
+        if key == "--skip-preflight":
+            cli["preflight"] = False
             continue
         if not eq:  # the value is the next argument, whatever it looks like
             if i >= len(argv) or argv[i].startswith("--"):
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     recipe = load_recipe(cli["recipe"], cli["overrides"])
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
+    prediction = preflight(recipe, world_size, enforce=cli["preflight"])
 
     from trl import DPOConfig, DPOTrainer
 
@@ -177,7 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     # ---- 7. train and save ---------------------------------------------------------------------------------------
-    result = trainer.train(resume_from_checkpoint=cli["resume"])
+    try:
+        result = trainer.train(resume_from_checkpoint=cli["resume"])
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemory(oom_report(e, recipe, world_size, memory_callback, args.output_dir)) from None
     if cli["save"]:
         trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
         if is_main:
@@ -191,11 +198,87 @@ def main(argv: list[str] | None = None) -> dict:
         "allocator": memory_callback.allocator,
         "partition_numel_per_rank": _gather(sum(t.numel() for t in local_parameters(trainer.model_wrapped))),
         "total_numel": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+        "planner_predicted_reserved_gb": prediction.peak_reserved_gb if prediction else None,
+        "measured_reserved_gb": max((r["peak_reserved_gb"] or 0 for r in memory_callback.records), default=None),
     }
+    if is_main and prediction and torch.cuda.is_available():
+        logger.info("planner predicted peak reserved %.2f GB; measured %.2f GB",
+                    prediction.peak_reserved_gb, summary["measured_reserved_gb"])
     if is_main:
         with open(os.path.join(args.output_dir, "train_summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
     return summary
+
+
+class OutOfMemory(Exception):
+    """A CUDA OOM during training, with the report that says what would have fitted."""
+
+
+def _gpu_memory_gb(recipe) -> float | None:
+    import torch
+
+    if recipe.memory.memory_cap_gb:  # the per-GPU budget the run is held to (also on CPU, for planning)
+        return recipe.memory.memory_cap_gb
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory / 1e9
+    return None
+
+
+def _planned(recipe, world_size, gpu_memory_gb: float | None = None):
+    from recipes import planner
+    from recipes.validate import check_deepspeed_config
+
+    ds_path = recipe.trainer.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    ds = check_deepspeed_config(ds_path) if ds_path else None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    budget = gpu_memory_gb if gpu_memory_gb is not None else _gpu_memory_gb(recipe)
+    return planner.plan(recipe, per_node, budget, max(1, world_size // per_node), ds)
+
+
+def preflight(recipe, world_size: int, enforce: bool):
+    """The planner's verdict before any model is loaded; refuses a run predicted not to fit (--skip-preflight)."""
+    from recipes import planner
+
+    try:
+        result = _planned(recipe, world_size)
+    except (AttributeError, KeyError, TypeError) as e:  # an architecture the planner cannot model
+        logger.warning("planner: cannot model this run (%s); no preflight", e)
+        return None
+    if int(os.environ.get("RANK", 0)) == 0:
+        logger.warning("planner: predicted peak reserved %.2f GB per rank%s", result.peak_reserved_gb,
+                       f" of {result.gpu_memory_gb:.1f} GB" if result.gpu_memory_gb else "")
+    if enforce and result.fits is False:
+        raise RecipeError(
+            f"Predicted peak reserved {result.peak_reserved_gb:.1f} GB per rank exceeds the GPU's "
+            f"{result.gpu_memory_gb:.1f} GB, so this run would run out of memory:\n{planner.render(result)}\n"
+            "Apply one of the changes above, or pass --skip-preflight to run anyway."
+        )
+    return result
+
+
+def oom_report(error, recipe, world_size, memory_callback, output_dir) -> str:
+    import torch
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from recipes import planner
+
+    lines = [f"CUDA out of memory during training: {str(error).splitlines()[0]}", "last steps' telemetry:"]
+    lines += [f"  {json.dumps(r)}" for r in memory_callback.records[-3:]] or ["  (no step completed)"]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        gap = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)) / 1e9
+        lines.append(f"allocator now: fragmentation gap {gap:.2f} GB, "
+                     f"setting {memory_callback.allocator['allocator_conf'] or 'default'}")
+    try:
+        predicted = _planned(recipe, world_size)
+        # It did not fit, whatever was predicted: ask for changes predicted below both the budget and the prediction.
+        budget = min(predicted.gpu_memory_gb or predicted.peak_reserved_gb, predicted.peak_reserved_gb * 0.999)
+        lines.append("planner for this recipe:\n" + planner.render(_planned(recipe, world_size, budget)))
+    except (AttributeError, KeyError, TypeError):
+        lines.append("planner: cannot model this run")
+    ckpt = os.path.isdir(output_dir) and get_last_checkpoint(output_dir)
+    lines.append(f"last saved checkpoint (intact): {ckpt}" if ckpt else "no checkpoint had been saved yet")
+    return "\n".join(lines)
 
 
 def _gather(value) -> list:
@@ -214,6 +297,9 @@ def run() -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OutOfMemory as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     finally:
         import torch.distributed as dist
 

@@ -96,6 +96,9 @@ class MemoryCallback(TrainerCallback):
                 self._snapshotting = True
 
     def on_step_begin(self, args, state, control, **kwargs):
+        # Fault injection for the OOM path's test (a real OOM cannot be provoked on a CPU-only machine).
+        if os.environ.get("RECIPES_FAULT_OOM_AT_STEP") == str(state.global_step + 1):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by RECIPES_FAULT_OOM_AT_STEP)")
         if self._cuda():
             torch.cuda.reset_peak_memory_stats()
             if hasattr(torch.cuda, "reset_peak_host_memory_stats"):

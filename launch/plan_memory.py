@@ -1,0 +1,130 @@
+"""Will it fit? Per-rank memory plan of a recipe before launch, and the planner's calibration.
+
+    python launch/plan_memory.py --recipe recipes/nemotron12b/dpo_12k.yaml --gpus 8 --gpu-memory 80GB
+    python launch/plan_memory.py --recipe recipes/nemotron12b/dpo_12k.yaml --gpus 8 --gpu-memory 80GB \
+        --deepspeed ds_configs/zero3.json --max_length 65536          # any recipe override works here too
+    python launch/plan_memory.py --calibrate                          # refit recipes/planner_calibration.json
+
+Exit status: 0 fits (or no --gpu-memory given), 1 does not fit, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import shlex
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from recipes.config import RecipeError, load_recipe, parse_overrides  # noqa: E402
+from recipes.planner import CALIBRATION, Setup, config_name, count_params, plan, predict, render  # noqa: E402
+
+
+def setup_from_result(environment: dict, row: dict) -> Setup:
+    """The Setup a committed benchmark row ran with, rebuilt from its recorded command and configuration."""
+    from launch.bench_memory import BASE, CONFIGS, parse_args
+    from recipes.config import ModelArgs
+    from recipes.modeling import load_architecture
+
+    bench = parse_args(shlex.split(environment["command"])[2:])
+    recipe = load_recipe(os.path.join(ROOT, bench.recipe))
+    over = {**BASE, **CONFIGS[row["config"]]}
+    arch = load_architecture(ModelArgs(**{**recipe.model.__dict__, "num_hidden_layers": bench.layers}))
+    total, layer, embed = count_params(arch)
+    conf = over["memory.allocator_conf"]
+    return Setup(params=total, layer_params=layer, embed_params=embed, layers=arch.num_hidden_layers,
+                 hidden=arch.hidden_size, seq=row["seq_tokens"], ranks=bench.gpus, ranks_per_node=bench.gpus,
+                 zero3=environment["mode"] == "zero3", emulate=environment["mode"] == "emulate",
+                 config=config_name(over["memory.checkpointing"], int(over["memory.tiled_mlp"]),
+                                    over["activation_offloading"] == "true"),
+                 allocator_conf=None if conf == "null" else conf)
+
+
+def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
+    """(environment, row) for every committed measurement that produced memory figures."""
+    for path in sorted(glob.glob(pattern, recursive=True)):
+        with open(path) as f:
+            data = json.load(f)
+        for row in data["results"]:
+            if row.get("peak_allocated_gb") is not None:
+                yield data["environment"], row, os.path.relpath(path, ROOT)
+
+
+def calibrate() -> dict:
+    """Fit per-configuration coefficients on the emulate-mode rows (pure activations); allocator factors on rows
+    that set an allocator; the pinned-memory factor on rows with offloading."""
+    zero = {"configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}  # fits one config at a time
+    rows = list(measured_rows())
+    by_config: dict[str, list] = {}
+    for env, row, src in rows:
+        if env["mode"] == "emulate":
+            s = setup_from_result(env, row)
+            by_config.setdefault(s.config, []).append((s, row, src))
+    cal = {"_comment": "fitted by `python launch/plan_memory.py --calibrate` from the files in `sources`",
+           "configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}
+    pinned = []
+    for config, items in by_config.items():
+        base = {**zero, "configs": {config: {"per_token_bytes": 0.0, "reserved_factor": 1.0}}}
+        # least squares through the origin: residual = per_token_bytes x tokens
+        num = den = 0.0
+        for s, row, _ in items:
+            residual = row["peak_allocated_gb"] * 1e9 - predict(s, base).peak_allocated_gb * 1e9
+            num, den = num + residual * s.tokens, den + s.tokens ** 2
+            if row.get("host_pinned_gb") and config.endswith("+offload"):
+                block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
+                pinned.append(row["host_pinned_gb"] * 1e9 / (s.layers * block))
+        factors = [row["peak_reserved_gb"] / row["peak_allocated_gb"] for _, row, _ in items]
+        cal["hidden"] = items[0][0].hidden  # the width the per-token coefficients were measured at
+        cal["configs"][config] = {"per_token_bytes": round(num / den, 1),
+                                  "reserved_factor": round(sum(factors) / len(factors), 4),
+                                  "sources": sorted({src for *_, src in items})}
+    cal["pinned_factor"] = round(sum(pinned) / len(pinned), 4) if pinned else 1.0
+    for env, row, src in rows:
+        s = setup_from_result(env, row)
+        if s.allocator_conf and s.config in cal["configs"]:
+            unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
+            cal["allocator_factors"][s.allocator_conf] = round(row["peak_reserved_gb"] / unfactored, 4)
+    return cal
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 80GB")
+    p.add_argument("--deepspeed", default="ds_configs/zero3.json", help="DeepSpeed JSON ('none': no DeepSpeed)")
+    p.add_argument("--calibrate", action="store_true", help="refit recipes/planner_calibration.json from results/")
+    args, rest = p.parse_known_args(argv)
+    if args.calibrate:
+        cal = calibrate()
+        with open(CALIBRATION, "w") as f:
+            json.dump(cal, f, indent=1)
+        print(json.dumps(cal, indent=1))
+        return 0
+    if not args.recipe:
+        p.error("--recipe is required (or --calibrate)")
+    try:
+        recipe = load_recipe(args.recipe, parse_overrides(rest))
+        ds = None
+        if args.deepspeed != "none" and not recipe.memory.sgd_in_backward:
+            from recipes.validate import check_deepspeed_config
+
+            ds = check_deepspeed_config(args.deepspeed)
+        memory = None if args.gpu_memory is None else float(args.gpu_memory.upper().removesuffix("GB"))
+        result = plan(recipe, args.gpus, memory, args.nodes, ds)
+    except (RecipeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.recipe}: {args.nodes} node(s) x {args.gpus} GPU(s), per rank:")
+    print(render(result))
+    return 1 if result.fits is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Will it fit? A per-rank memory model of a recipe, calibrated from the committed GPU results.
+
+Per rank, in bytes (P = parameters, R = data-parallel ranks, T = tokens per micro-batch = 2 x max_length x batch,
+L = layers, H = hidden size):
+
+  model states   ZeRO-3: (2 param + 2 grad + 12 fp32 master/Adam) x P / R, offloaded parts moved to host;
+                 one process + sgd_in_backward: 2 x P (no gradient or optimizer state survives)
+  reference      2 x P / R under ZeRO-3 (TRL shards it), 2 x P in one process, 0 with precompute_ref_log_probs
+  transient      max(backward, optimizer step):
+                   backward = gathered weights (ZeRO-3: 2 x the largest layer or embedding)
+                            + T x L x H x stored_bytes(policy)    what checkpoints keep per layer (2 = the layer
+                                                                 checkpoint's bf16 input; 0 when TRL offloads it)
+                            + T x per_token_bytes(config) x H / H_cal   one layer's backward, the LM head,
+                                                                 gradients: fitted per configuration on the 12B
+                                                                 architecture (H_cal = 5120), scaled by width
+                   step     = 4 x P / R (DeepSpeed's fp32 copy of the gradient partition)
+  reserved       allocated x reserved_factor(config) x allocator_factor(allocator_conf), both measured
+  host (pinned)  offloading: L x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching allocator
+                 rounds each block up to a power of two)
+
+The fitted numbers live in recipes/planner_calibration.json (`python launch/plan_memory.py --calibrate` rebuilds it
+from results/); a configuration without measurements borrows its nearest measured relative and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+from .config import REPO_ROOT, Recipe
+
+GB = 1e9
+CALIBRATION = os.path.join(REPO_ROOT, "recipes", "planner_calibration.json")
+# bf16 bytes kept per token, per layer, per hidden unit by each policy's checkpoints (before offloading)
+STORED_BYTES = {"layer": 2.0, "attn_mlp": 16.0, "norm_attn": 14.0, "norm_attn_mlp": 8.0}
+
+
+@dataclass
+class Setup:
+    """What the planner needs to know about a run (built from a recipe + the launch shape)."""
+
+    params: int
+    layer_params: int
+    embed_params: int
+    layers: int
+    hidden: int
+    seq: int
+    batch: int = 1
+    ranks: int = 1
+    ranks_per_node: int = 1
+    zero3: bool = False
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    emulate: bool = False  # one process, sgd_in_backward
+    precompute_ref: bool = False
+    config: str = "stock"  # calibration key: stock / stock+offload / layer+norm_attn_mlp+offload / ...
+    allocator_conf: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return 2 * self.seq * self.batch
+
+
+@dataclass
+class Plan:
+    breakdown: dict  # GB per component
+    peak_allocated_gb: float
+    peak_reserved_gb: float
+    host_pinned_per_node_gb: float
+    calibrated_from: str
+    gpu_memory_gb: float | None = None
+    suggestions: list = field(default_factory=list)  # (change, predicted reserved GB)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory_gb is None else self.peak_reserved_gb <= self.gpu_memory_gb
+
+
+def count_params(config) -> tuple[int, int, int]:
+    """(total, per decoder layer, largest embedding) of a Mistral/Llama-shaped config, from its sizes."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    attn = h * hd * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)
+    layer = attn + 3 * h * i + 2 * h
+    embed = v * h
+    total = layer * config.num_hidden_layers + embed * (1 if config.tie_word_embeddings else 2) + h
+    return total, layer, embed
+
+
+def config_name(policy: str, tiled_mlp: int, offload: bool) -> str:
+    name = "stock" if policy == "layer" else policy
+    if tiled_mlp:
+        name += "+tiled"
+    return name + ("+offload" if offload else "")
+
+
+def stored_bytes(config: str) -> float:
+    if "offload" in config and config.split("+")[0] in ("stock", "layer"):
+        return 0.0  # TRL offloads the layer checkpoint's inputs to host memory
+    policy = config.split("+offload")[0].split("+tiled")[0]
+    if policy == "stock" or policy.startswith("layer"):
+        return STORED_BYTES["layer"]
+    return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
+
+
+def load_calibration(path: str = CALIBRATION) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _coefficients(config: str, cal: dict) -> tuple[dict, str]:
+    configs = cal["configs"]
+    if config in configs:
+        return configs[config], config
+    # nearest measured relative: same offload choice, stock checkpointing
+    fallback = "stock+offload" if config.endswith("+offload") else "stock"
+    return configs[fallback], f"{fallback} (no measurement of {config})"
+
+
+def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = None) -> Plan:
+    cal = cal or load_calibration()
+    coef, source = _coefficients(s.config, cal)
+    p, r = s.params, s.ranks
+    if s.emulate:
+        states, ref, step = 2.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0
+        gathered = 0.0
+    elif s.zero3:
+        per_param = 2 + 2 + (0 if s.offload_optimizer else 12) - (2 if s.offload_param else 0)
+        states = per_param * p / r
+        ref = 0.0 if s.precompute_ref else (0 if s.offload_param else 2.0) * p / r
+        step = 4.0 * p / r
+        gathered = 2.0 * max(s.layer_params, s.embed_params)
+    else:  # one process, torch AdamW: param + grad + 2 moments in the parameter dtype (bf16)
+        states, ref, step, gathered = 8.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0, 0.0
+    stored = s.tokens * s.layers * s.hidden * stored_bytes(s.config)
+    per_token = s.tokens * coef["per_token_bytes"] * s.hidden / cal.get("hidden", s.hidden)
+    backward = gathered + stored + per_token
+    allocated = states + ref + max(backward, step)
+    factor = coef["reserved_factor"]
+    for key, f in cal.get("allocator_factors", {}).items():
+        if s.allocator_conf and key in s.allocator_conf:
+            factor *= f
+    pinned = 0.0
+    if s.config.endswith("+offload"):
+        block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
+        pinned = s.layers * block * cal["pinned_factor"] * s.ranks_per_node
+    breakdown = {"model_states": states, "reference_model": ref, "gathered_weights": gathered,
+                 "activations_checkpointed": stored, "activations_peak_layer_and_lm_head": per_token,
+                 "optimizer_step_transient": step, "allocator_overhead": allocated * (factor - 1)}
+    return Plan(breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
+                peak_allocated_gb=round(allocated / GB, 2), peak_reserved_gb=round(allocated * factor / GB, 2),
+                host_pinned_per_node_gb=round(pinned / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb)
+
+
+def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict | None = None) -> Setup:
+    from .modeling import load_architecture
+
+    arch = load_architecture(recipe.model)
+    total, layer, embed = count_params(arch)
+    t, mem = recipe.trainer, recipe.memory
+    zero = (ds_config or {}).get("zero_optimization", {})
+    offload = bool(t.get("activation_offloading"))
+    return Setup(params=total, layer_params=layer, embed_params=embed, layers=arch.num_hidden_layers,
+                 hidden=arch.hidden_size, seq=t.get("max_length") or 1024,
+                 batch=t.get("per_device_train_batch_size", 8), ranks=gpus * nodes, ranks_per_node=gpus,
+                 zero3=zero.get("stage") == 3,
+                 offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
+                 offload_param=zero.get("offload_param", {}).get("device") == "cpu",
+                 emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
+                 config=config_name(mem.checkpointing, mem.tiled_mlp, offload), allocator_conf=mem.allocator_conf)
+
+
+# Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.
+def _candidates(s: Setup):
+    if not s.config.endswith("+offload"):
+        yield "activation_offloading: true", replace(s, config=s.config + "+offload")
+    best = "layer+norm_attn_mlp+offload"
+    if s.config != best:
+        yield "memory.checkpointing: layer+norm_attn_mlp and activation_offloading: true", replace(s, config=best)
+    if s.allocator_conf:
+        yield "memory.allocator_conf: null (measured: max_split_size_mb:64 raised reserved 1.4x)", \
+            replace(s, allocator_conf=None)
+    if s.zero3 and not s.offload_optimizer:
+        yield "ds_configs/zero3_offload.json (optimizer state and parameters on CPU)", \
+            replace(s, offload_optimizer=True, offload_param=True)
+    if s.zero3:
+        yield f"{s.ranks * 2} GPUs instead of {s.ranks}", replace(s, ranks=s.ranks * 2)
+    if s.batch > 1:
+        yield "per_device_train_batch_size: 1 (raise gradient_accumulation_steps to keep the batch)", replace(s, batch=1)
+    yield f"max_length: {s.seq // 2}", replace(s, seq=s.seq // 2)
+
+
+def suggest(s: Setup, gpu_memory_gb: float, cal: dict | None = None) -> list[tuple[str, float]]:
+    cal = cal or load_calibration()
+    out = []
+    for change, alt in _candidates(s):
+        peak = predict(alt, cal).peak_reserved_gb
+        if peak <= gpu_memory_gb:
+            out.append((change, peak))
+    return out
+
+
+def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1, ds_config: dict | None = None) -> Plan:
+    s = setup_from_recipe(recipe, gpus, nodes, ds_config)
+    result = predict(s, gpu_memory_gb=gpu_memory_gb)
+    if result.fits is False:
+        result.suggestions = suggest(s, gpu_memory_gb)
+    return result
+
+
+def render(result: Plan) -> str:
+    lines = [f"  {k.replace('_', ' '):<38} {v:8.2f} GB" for k, v in result.breakdown.items()]
+    lines += [f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
+              f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
+              f"  {'host pinned memory per node':<38} {result.host_pinned_per_node_gb:8.1f} GB",
+              f"  calibrated from: {result.calibrated_from}"]
+    if result.gpu_memory_gb is not None:
+        verdict = "FITS" if result.fits else "DOES NOT FIT"
+        lines.append(f"  verdict: {verdict} in {result.gpu_memory_gb:g} GB per GPU")
+    if result.fits is False:
+        if result.suggestions:
+            lines.append("  changes that would fit (cheapest first):")
+            lines += [f"    - {change}: {peak:.1f} GB" for change, peak in result.suggestions]
+        else:
+            lines.append("  no single change from this recipe's switches fits; combine them or use more GPUs")
+    return "\n".join(lines)

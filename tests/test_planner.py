@@ -1,0 +1,113 @@
+"""The memory planner: arithmetic by hand, calibration against every committed GPU result, preflight, OOM path."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_train
+from transformers import MistralConfig
+
+from recipes.planner import Setup, count_params, load_calibration, predict
+
+
+def test_parameter_count_of_the_12b_architecture_by_hand():
+    cfg = MistralConfig(hidden_size=5120, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, vocab_size=131072, tie_word_embeddings=False)
+    total, layer, embed = count_params(cfg)
+    attn = 5120 * 4096 + 2 * 5120 * 1024 + 4096 * 5120  # q, k, v, o
+    mlp = 3 * 5120 * 14336
+    assert layer == attn + mlp + 2 * 5120 == 272_640_000
+    assert embed == 131072 * 5120
+    assert total == 40 * layer + 2 * embed + 5120 == 12_247_782_400  # "12B"; 2 bytes x 2 models = 49.0 GB
+
+
+def test_zero3_arithmetic_by_hand():
+    """8 ranks, ZeRO-3, AdamW, stock checkpointing, one 12,288-token pair, written out term by term."""
+    cal = {"hidden": 5120, "pinned_factor": 1.0, "allocator_factors": {},
+           "configs": {"stock": {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}}}
+    p, layer, embed = 12_247_782_400, 272_640_000, 671_088_640
+    s = Setup(params=p, layer_params=layer, embed_params=embed, layers=40, hidden=5120, seq=12288, ranks=8,
+              ranks_per_node=8, zero3=True, config="stock")
+    tokens = 2 * 12288
+    states = 16 * p / 8                      # bf16 param + bf16 grad + fp32 master, m, v, sharded 8 ways
+    ref = 2 * p / 8                          # bf16 reference, sharded
+    gathered = 2 * embed                     # the largest gathered weight: the 131072 x 5120 embedding
+    stored = tokens * 40 * 5120 * 2          # each layer checkpoint keeps its bf16 input
+    peak_layer = tokens * 100_000            # calibrated per-token peak
+    step = 4 * p / 8                         # fp32 gradient partition copy at the optimizer step
+    allocated = states + ref + max(gathered + stored + peak_layer, step)
+    out = predict(s, cal, gpu_memory_gb=80)
+    assert out.peak_allocated_gb == round(allocated / 1e9, 2)
+    assert out.peak_reserved_gb == round(allocated * 1.1 / 1e9, 2)
+    assert out.breakdown["model_states"] == round(states / 1e9, 2) == 24.5
+    assert out.fits is True
+    # optimizer offload moves the 12 fp32 bytes per parameter to the host
+    off = predict(Setup(**{**s.__dict__, "offload_optimizer": True}), cal)
+    assert off.breakdown["model_states"] == round(4 * p / 8 / 1e9, 2)
+    # activation offloading: nothing stored per layer on the GPU, pinned host memory instead
+    cal["configs"]["stock+offload"] = {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}
+    offl = predict(Setup(**{**s.__dict__, "config": "stock+offload"}), cal)
+    assert offl.breakdown["activations_checkpointed"] == 0
+    block = 2 ** math.ceil(math.log2(tokens * 5120 * 2))  # 251.7 MB -> 268.4 MB (pinned blocks are powers of two)
+    assert offl.host_pinned_per_node_gb == round(40 * block * 8 / 1e9, 1)
+
+
+def test_every_committed_gpu_result_is_predicted_within_10_percent():
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from launch.plan_memory import measured_rows, setup_from_result
+
+    rows = list(measured_rows())
+    assert len(rows) >= 10
+    cal = load_calibration()
+    for env, row, src in rows:
+        predicted = predict(setup_from_result(env, row), cal).peak_reserved_gb
+        assert abs(predicted / row["peak_reserved_gb"] - 1) <= 0.10, (src, row["config"], row["seq_tokens"], predicted)
+
+
+def test_calibration_file_is_what_the_results_give():
+    """recipes/planner_calibration.json is regenerated from results/, not edited by hand."""
+    from launch.plan_memory import calibrate
+
+    assert calibrate() == {k: v for k, v in load_calibration().items()}
+
+
+def test_cli_verdicts():
+    def cli(*args):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan_memory.py"), *args],
+                              capture_output=True, text=True, cwd=ROOT)
+
+    fits = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB")
+    assert fits.returncode == 0 and "verdict: FITS in 80 GB" in fits.stdout
+    too_big = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB",
+                  "--max_length", "65536", "--activation_offloading", "false", "--memory.checkpointing", "layer")
+    assert too_big.returncode == 1 and "DOES NOT FIT" in too_big.stdout
+    assert "- activation_offloading: true:" in too_big.stdout  # the cheapest fix comes first
+    bad = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--max_lenght", "5")
+    assert bad.returncode == 2 and "Did you mean `max_length`" in bad.stderr
+
+
+def test_preflight_refuses_before_anything_is_written(tmp_path):
+    proc = run_train(tmp_path / "out", "--memory.memory_cap_gb", "0.0001", check=False)
+    assert proc.returncode == 2
+    assert "exceeds the GPU's 0.0 GB" in proc.stdout and "--skip-preflight" in proc.stdout
+    assert not os.path.exists(tmp_path / "out")
+    ok = run_train(tmp_path / "out2", "--memory.memory_cap_gb", "0.0001", "--skip-preflight", "--max_steps", "1",
+                   "--save_strategy", "no", "--report_to", "none")
+    assert "predicted peak reserved" in ok.stdout
+
+
+def test_out_of_memory_reports_the_fix_and_keeps_the_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    proc = run_train(tmp_path, "--max_steps", "4", "--save_steps", "1", "--report_to", "none",
+                     env={"RECIPES_FAULT_OOM_AT_STEP": "3"}, check=False)
+    assert proc.returncode == 3
+    out = proc.stdout
+    assert "CUDA out of memory during training" in out
+    assert '"step": 2' in out  # the last steps' telemetry
+    assert "changes that would fit (cheapest first)" in out
+    assert f"last saved checkpoint (intact): {tmp_path / 'checkpoint-2'}" in out
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2")  # loads
+    assert not os.path.exists(tmp_path / "checkpoint-3")
