@@ -124,11 +124,45 @@ def run_one(args, name: str, seq: int) -> dict:
     return result
 
 
+def matmul_tflops() -> float | None:
+    """This GPU's measured bf16 matmul rate (8192^3, mean of 10 after 3 warm-ups): the MFU denominator."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    rate = 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return round(rate, 1)
+
+
+def add_mfu(result: dict, environment: dict, row_setup) -> None:
+    """MFU = model FLOPs per step / (step time x measured matmul rate); None without a GPU rate or a step time."""
+    from recipes.planner import model_flops_per_step
+
+    rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
+    setup, attn_width = row_setup
+    result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width) / 1e12, 2)
+    result["mfu"] = round(result["model_tflops_per_step"] / (step * rate), 4) if rate and step else None
+
+
 def environment(args) -> dict:
     import importlib.metadata as md
 
     info = {"python": platform.python_version(), "host": platform.node(), "mode": args.mode,
-            "memory_cap_gb": args.memory_cap_gb, "command": shlex.join([sys.executable, *sys.argv]),
+            "memory_cap_gb": args.memory_cap_gb, "command": args.command,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     for pkg in ("torch", "transformers", "trl", "deepspeed", "accelerate", "datasets"):
         try:
@@ -150,15 +184,16 @@ def render_table(results: list[dict]) -> str:
         return format(v, spec) if isinstance(v, (int, float)) else "n/a"
 
     lines = ["| Seqlen | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | Frag gap (GB) | "
-             "Step Time (s) | Tokens/s | Host RSS (GB) | Pinned host (GB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "Step Time (s) | Tokens/s | MFU | Host RSS (GB) | Pinned host (GB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
             status = "OOM" if r["oom"] else f"failed (rc {r['rc']})"
-            lines.append(f"| {r['seq_tokens']} | {r['config']} | {status} | | | | | | | |")
+            lines.append(f"| {r['seq_tokens']} | {r['config']} | {status} | | | | | | | | |")
             continue
         lines.append(f"| {r['seq_tokens']} | {r['config']} | {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
                      f"{f(r['peak_reserved_gb'])} | "
-                     f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | "
+                     f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | {f(r.get('mfu'), '.1%')} | "
                      f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} |")
     return "\n".join(lines) + "\n"
 
@@ -206,6 +241,7 @@ def parse_args(argv=None):
                    help="record CUDA memory history for 2 steps and write what holds the peak (analyze_snapshot.py)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    args.command = shlex.join([sys.executable, "launch/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
@@ -215,22 +251,36 @@ def parse_args(argv=None):
     return args
 
 
+def _attn_width(args) -> int:
+    from recipes.config import load_recipe
+    from recipes.modeling import load_architecture
+
+    arch = load_architecture(load_recipe(os.path.join(ROOT, args.recipe)).model)
+    return arch.num_attention_heads * (getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads)
+
+
 def write_outputs(args, results: list[dict]) -> None:
     """Rewritten after every run, so a benchmark stopped half-way keeps what it measured."""
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"environment": environment(args), "results": results}, f, indent=1)
+        json.dump({"environment": args.environment, "results": results}, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(render_table(results))
     plot(results, os.path.join(args.out, "memory_vs_length.png"))
 
 
 def main(argv=None) -> list[dict]:
+    from launch.plan_memory import setup_from_result
+
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    env = {**environment(args), "matmul_tflops": matmul_tflops()}
+    args.environment = env
     results = []
     for seq in [int(s) for s in args.seq_tokens.split(",")]:
         for name in args.configs.split(","):
             results.append(run_one(args, name, seq))
+            setup = setup_from_result(env, results[-1])
+            add_mfu(results[-1], env, (setup, _attn_width(args)))
             print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "rc", "above_weights_gb",
                                                                   "peak_reserved_gb", "step_time_s")}), flush=True)
             write_outputs(args, results)

@@ -89,6 +89,16 @@ def count_params(config) -> tuple[int, int, int]:
     return total, layer, embed
 
 
+def model_flops_per_step(s: Setup, attn_width: int, with_reference: bool = True) -> float:
+    """Model FLOPs of one DPO step of this rank (recomputation not counted, as MFU conventions want): policy
+    forward + backward = 3 x forward, reference forward = 1 x, over the chosen and rejected sequences.
+    Forward = 2 x matmul parameters (all but the input embedding) per token + causal attention
+    2 x seq^2 x attention width per layer per sequence."""
+    matmul_params = s.params - s.embed_params
+    forward = 2 * matmul_params * s.tokens + 2 * s.batch * 2 * s.layers * s.seq ** 2 * attn_width
+    return forward * (3 + (1 if with_reference else 0))
+
+
 def config_name(policy: str, tiled_mlp: int, offload: bool) -> str:
     name = "stock" if policy == "layer" else policy
     if tiled_mlp:

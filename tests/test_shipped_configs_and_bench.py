@@ -134,3 +134,23 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     assert saved["environment"]["mode"] == "emulate" and saved["environment"]["trl"] == "1.16.0"
     assert (tmp_path / "results.md").read_text().count("| 48 |") == 2
     assert os.path.getsize(tmp_path / "memory_vs_length.png") > 1000
+
+
+def test_model_flops_and_mfu_by_hand():
+    from launch.bench_memory import add_mfu
+    from recipes.planner import Setup, model_flops_per_step
+
+    s = Setup(params=1000, layer_params=100, embed_params=200, layers=2, hidden=8, seq=16, batch=1)
+    tokens = 2 * 16  # chosen + rejected
+    forward = 2 * (1000 - 200) * tokens + 2 * 2 * 2 * 16 ** 2 * 8  # matmuls + causal attention (2 seqs, 2 layers)
+    assert model_flops_per_step(s, attn_width=8) == 4 * forward  # policy fwd + bwd (3x) + reference fwd (1x)
+    assert model_flops_per_step(s, attn_width=8, with_reference=False) == 3 * forward
+    row = {"step_time_s": 2.0}
+    add_mfu(row, {"matmul_tflops": 100.0}, (Setup(params=12 * 10**9, layer_params=1, embed_params=10**9,
+                                                    layers=40, hidden=5120, seq=12288), 4096))
+    flops = 4 * (2 * 11 * 10**9 * 24576 + 2 * 2 * 40 * 12288 ** 2 * 4096)
+    assert row["model_tflops_per_step"] == round(flops / 1e12, 2)
+    assert row["mfu"] == round(row["model_tflops_per_step"] / (2.0 * 100.0), 4)
+    no_gpu = {"step_time_s": 2.0}
+    add_mfu(no_gpu, {"matmul_tflops": None}, (s, 8))
+    assert no_gpu["mfu"] is None
