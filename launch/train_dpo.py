@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- 5. model: policy (patched) and reference (an identical copy for random-init runs) ---------------------
     model = build_model(recipe.model)
+    # ZeRO-3 partitions each parameter as the model is constructed (zero.Init): no rank ever holds the whole model
+    built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
     wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp)
     ref_model = None
     if recipe.model.architecture and not args.precompute_ref_log_probs:
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         "length_report": report,
         "wrapped": wrapped,
         "allocator": memory_callback.allocator,
+        "built_partitioned": built_partitioned,
         "partition_numel_per_rank": _gather(sum(t.numel() for t in local_parameters(trainer.model_wrapped))),
         "total_numel": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         "planner_predicted_reserved_gb": prediction.peak_reserved_gb if prediction else None,

@@ -24,6 +24,7 @@ def test_step0_loss_is_ln2_and_loss_goes_down(quickstart):
     losses = summary(out)["losses"]
     assert len(losses) == STEPS
     assert abs(losses[0] - math.log(2)) < 1e-4  # policy == reference at step 0
+    assert summary(out)["built_partitioned"] is False  # no DeepSpeed here
     assert losses[-1] < losses[0] - 0.2
 
 

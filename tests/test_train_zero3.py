@@ -37,6 +37,7 @@ def test_two_process_curve_matches_one_process(ds1, ds2):
 def test_parameters_really_partitioned(ds1, ds2):
     s1, s2 = summary(ds1), summary(ds2)
     assert s2["world_size"] == 2
+    assert s1["built_partitioned"] and s2["built_partitioned"]  # constructed under zero.Init, not partitioned later
     total = s2["total_numel"]
     per_rank = s2["partition_numel_per_rank"]
     assert len(per_rank) == 2
