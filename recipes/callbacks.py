@@ -56,7 +56,6 @@ class MemoryCallback(TrainerCallback):
         self.allocator = allocator_record or allocator.apply(memory.allocator_conf)
         self.weights_gb: float | None = None  # parameter bytes on this rank (policy + reference), set by the entrypoint
         self.records: list[dict] = []
-        self.last_record: dict = {}
         self._microbatches = 0
         self._step_start = 0.0
         self._tokens_at_start = 0
@@ -138,7 +137,6 @@ class MemoryCallback(TrainerCallback):
             for k in ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "ooms", "host_pinned_gb"):
                 record[k] = None
         self.records.append(record)
-        self.last_record = record
         if state.is_world_process_zero and self.memory.telemetry:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, "memory.jsonl"), "a") as f:
@@ -161,7 +159,8 @@ class MemoryCallback(TrainerCallback):
         """Latest step's figures for the Trainer logs (TensorBoard): memory/<name>."""
         keep = ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "host_rss_gb",
                 "host_pinned_gb", "step_time_s", "tokens_per_s")
-        return {f"memory/{k}": self.last_record[k] for k in keep if self.last_record.get(k) is not None}
+        last = self.records[-1] if self.records else {}
+        return {f"memory/{k}": last[k] for k in keep if last.get(k) is not None}
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._snapshotting:
