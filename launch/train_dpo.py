@@ -116,8 +116,6 @@ def main(argv: list[str] | None = None) -> dict:
     trainer_kwargs = dict(recipe.trainer)
     trainer_kwargs["gradient_checkpointing"] = uses_transformers_layer_checkpointing(memory.checkpointing)
     trainer_kwargs["report_to"] = resolve_report_to(trainer_kwargs)
-    if "tensorboard" in str(recipe.trainer.get("report_to", "tensorboard")) and "tensorboard" not in trainer_kwargs["report_to"]:
-        logger.warning("tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)")
     trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
     trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
     if memory.sgd_in_backward:  # the update happens in backward; the Trainer's SGD then finds no gradients

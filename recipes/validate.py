@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 
 from . import allocator
@@ -95,5 +96,7 @@ def resolve_report_to(trainer: dict) -> list[str]:
     report_to = [report_to] if isinstance(report_to, str) else list(report_to or ["none"])
     if "tensorboard" in report_to and importlib.util.find_spec("tensorboard") is None \
             and importlib.util.find_spec("tensorboardX") is None:
+        logging.getLogger(__name__).warning(
+            "tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)")
         report_to = [r for r in report_to if r != "tensorboard"] or ["none"]
     return report_to
