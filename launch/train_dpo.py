@@ -221,7 +221,9 @@ def _gpu_memory_gb(recipe) -> float | None:
     if recipe.memory.memory_cap_gb:  # the per-GPU budget the run is held to (also on CPU, for planning)
         return recipe.memory.memory_cap_gb
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory / 1e9
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)  # this rank's own GPU, before anything lands on GPU 0 by default
+        return torch.cuda.get_device_properties(local_rank).total_memory / 1e9
     return None
 
 
