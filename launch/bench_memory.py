@@ -76,7 +76,10 @@ def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
     script = os.path.join(ROOT, "launch", "train_dpo.py")
     if args.launcher == "python":
         return [sys.executable, script, "--recipe", args.recipe, *flat]
-    return ["deepspeed", "--num_gpus", str(args.gpus), "--master_port", str(args.port), script, args.ds_config,
+    # the launcher installed beside this Python (a virtualenv not on PATH), else the one on PATH
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    launcher = launcher if os.path.exists(launcher) else "deepspeed"
+    return [launcher, "--num_gpus", str(args.gpus), "--master_port", str(args.port), script, args.ds_config,
             "--recipe", args.recipe, *flat]
 
 

@@ -79,7 +79,8 @@ def test_bench_command_layers_configuration_over_neutral_base():
     assert json.loads(flags["--data.synthetic"])["seq_tokens"] == 4096
     z3 = parse_args(["--out", "/tmp/x", "--gpus", "8"])
     cmd = build_command(z3, "stock", 12288, "/tmp/x/run")
-    assert cmd[:3] == ["deepspeed", "--num_gpus", "8"] and "ds_configs/zero3.json" in cmd
+    assert os.path.basename(cmd[0]) == "deepspeed" and cmd[1:3] == ["--num_gpus", "8"]
+    assert "ds_configs/zero3.json" in cmd and dict(zip(cmd, cmd[1:]))["--per_device_train_batch_size"] == "1"
 
 
 def test_bench_summary_and_table():
@@ -154,3 +155,18 @@ def test_model_flops_and_mfu_by_hand():
     no_gpu = {"step_time_s": 2.0}
     add_mfu(no_gpu, {"matmul_tflops": None}, (s, 8))
     assert no_gpu["mfu"] is None
+
+
+def test_bench_zero3_mode_on_cpu(tmp_path):
+    """Mode (b) as the seed's 8-GPU setting runs it (deepspeed launcher, ZeRO-3, one pair per rank per step),
+    here with 2 CPU processes over gloo."""
+    from conftest import free_port
+
+    from launch.bench_memory import main
+
+    results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "zero3", "--gpus", "2",
+                    "--port", str(free_port()), "--seq-tokens", "48", "--steps", "2", "--prompt-tokens", "8",
+                    "--configs", "stock,layer+norm_attn_mlp", "--out", str(tmp_path)])
+    assert [r["rc"] for r in results] == [0, 0], open(tmp_path / "bench.log").read()[-3000:]
+    assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)
+    assert json.load(open(tmp_path / "results.json"))["environment"]["mode"] == "zero3"
