@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 # Neutral memory settings every configuration starts from, then its own switches on top.
 BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
-        "memory.tiled_mlp": "0", "activation_offloading": "false"}
+        "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "activation_offloading": "false"}
 CONFIGS = {
     # TRL 1.16 DPOTrainer as a user gets it: transformers' per-layer checkpointing, nothing of ours.
     "stock": {},
@@ -53,6 +53,11 @@ CONFIGS = {
     "layer+norm_attn_mlp+offload": {"memory.checkpointing": "layer+norm_attn_mlp", "activation_offloading": "true"},
     "layer+norm_attn+tiled+offload": {"memory.checkpointing": "layer+norm_attn", "memory.tiled_mlp": "8",
                                       "activation_offloading": "true"},
+    # The MLP split per sequence chunk, each chunk its own checkpoint (aimed at the 12k snapshot's largest holder).
+    "layer+norm_attn+chunked4+offload": {"memory.checkpointing": "layer+norm_attn", "memory.mlp_chunks": "4",
+                                         "activation_offloading": "true"},
+    "layer+norm_attn+chunked8+offload": {"memory.checkpointing": "layer+norm_attn", "memory.mlp_chunks": "8",
+                                         "activation_offloading": "true"},
 }
 
 

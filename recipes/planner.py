@@ -99,17 +99,19 @@ def model_flops_per_step(s: Setup, attn_width: int, with_reference: bool = True)
     return forward * (3 + (1 if with_reference else 0))
 
 
-def config_name(policy: str, tiled_mlp: int, offload: bool) -> str:
+def config_name(policy: str, tiled_mlp: int, offload: bool, mlp_chunks: int = 0) -> str:
     name = "stock" if policy == "layer" else policy
     if tiled_mlp:
         name += "+tiled"
+    if mlp_chunks:
+        name += "+chunked"
     return name + ("+offload" if offload else "")
 
 
 def stored_bytes(config: str) -> float:
     if "offload" in config and config.split("+")[0] in ("stock", "layer"):
         return 0.0  # TRL offloads the layer checkpoint's inputs to host memory
-    policy = config.split("+offload")[0].split("+tiled")[0]
+    policy = config.split("+offload")[0].split("+tiled")[0].split("+chunked")[0]
     if policy == "stock" or policy.startswith("layer"):
         return STORED_BYTES["layer"]
     return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
@@ -179,7 +181,8 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
                  offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
                  offload_param=zero.get("offload_param", {}).get("device") == "cpu",
                  emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
-                 config=config_name(mem.checkpointing, mem.tiled_mlp, offload), allocator_conf=mem.allocator_conf)
+                 config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks),
+                 allocator_conf=mem.allocator_conf)
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.

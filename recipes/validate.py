@@ -38,7 +38,9 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     check_policy(mem.checkpointing)
     if mem.allocator_conf:
         allocator.parse(mem.allocator_conf)
-    for key in ("tiled_mlp", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps"):
+    if mem.tiled_mlp and mem.mlp_chunks:
+        raise RecipeError("Set one of `memory.tiled_mlp` and `memory.mlp_chunks`: both split the MLP's sequence.")
+    for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps"):
         if getattr(mem, key) < 0:
             raise RecipeError(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
 

@@ -25,6 +25,7 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--memory.checkpointing", "norm_atn"], "Did you mean `norm_attn`"),
     (["--memory.empty_cache_steps", "1", "--torch_empty_cache_steps", "1"], "remove `torch_empty_cache_steps`"),
     (["--memory.empty_cache_steps", "-1"], "`memory.empty_cache_steps` must be >= 0"),
+    (["--memory.tiled_mlp", "2", "--memory.mlp_chunks", "2"], "Set one of `memory.tiled_mlp` and `memory.mlp_chunks`"),
     (["--bf16", "true"], "set `bf16: false`"),
     (["--model.dtype", "bfloat16"], "set `model.dtype: float32`"),
     (["--model.dtype", "float64"], "`model.dtype` must be one of"),

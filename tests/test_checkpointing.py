@@ -25,7 +25,7 @@ def dpo_batch():
     return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
 
 
-def loss_and_grads(dpo_batch, policy: str, tiles: int = 0):
+def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1)."""
     from trl.trainer.utils import add_fused_lm_head
 
@@ -33,7 +33,7 @@ def loss_and_grads(dpo_batch, policy: str, tiles: int = 0):
     model = build_model(TINY)
     if uses_transformers_layer_checkpointing(policy):
         model.gradient_checkpointing_enable()
-    wrapped = apply_memory_patches(model, policy, tiles)
+    wrapped = apply_memory_patches(model, policy, tiles, chunks)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     trainer.ref_model = build_model(ModelArgs(**{**TINY.__dict__, "init_seed": 1}))
     add_fused_lm_head(trainer.ref_model)
@@ -49,38 +49,42 @@ def reference(dpo_batch):
     return loss_and_grads(dpo_batch, "none")
 
 
-CASES = [(p, 0) for p in POLICIES if p != "none"] + [("none", 4), ("layer+norm_attn", 4), ("norm_attn", 2)]
+# (policy, TiledMLP tiles, MLP chunks)
+CASES = [(p, 0, 0) for p in POLICIES if p != "none"] + [
+    ("none", 4, 0), ("layer+norm_attn", 4, 0), ("norm_attn", 2, 0),
+    ("none", 0, 4), ("layer", 0, 4), ("layer+norm_attn", 0, 4), ("norm_attn", 0, 3)]
 
 
-@pytest.mark.parametrize("policy,tiles", CASES)
-def test_loss_and_every_gradient_equal_unpatched(dpo_batch, reference, policy, tiles):
+@pytest.mark.parametrize("policy,tiles,chunks", CASES)
+def test_loss_and_every_gradient_equal_unpatched(dpo_batch, reference, policy, tiles, chunks):
     _, ref_loss, ref_grads, _ = reference
-    model, loss, grads, _ = loss_and_grads(dpo_batch, policy, tiles)
+    model, loss, grads, _ = loss_and_grads(dpo_batch, policy, tiles, chunks)
     assert abs(loss.item() - 0.6931) > 1e-3  # a real gradient signal: policy != reference
     assert torch.allclose(loss, ref_loss, atol=1e-6)
     for name, g in grads.items():
         assert torch.allclose(g, ref_grads[name], atol=1e-6), name
 
 
-@pytest.mark.parametrize("policy,tiles", CASES)
-def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles):
+@pytest.mark.parametrize("policy,tiles,chunks", CASES)
+def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks):
     """One forward + backward: an inner checkpoint runs its module twice (forward, recompute). Nested in the layer
     checkpoint, three times (forward, the layer's replay, its own recompute) - except the MLP, the layer's last
     module: torch's early stop ends the layer's replay once the MLP's input is saved, so it runs twice. A tiled MLP
-    runs once per tile in forward and once per tile in backward (and once more per tile in a layer replay)."""
-    model, _, _, wrapped = loss_and_grads(dpo_batch, policy, tiles)
+    runs once per tile in forward and once per tile in backward (and once more per tile in a layer replay). A
+    chunked MLP runs each chunk twice, and nested, all chunks but the last once more in the layer's replay."""
+    model, _, _, wrapped = loss_and_grads(dpo_batch, policy, tiles, chunks)
     layer = model.model.layers[0]
     nested = uses_transformers_layer_checkpointing(policy)
     inner = INNER.get(policy.removeprefix("layer+"), ())
     expected = 3 if nested else 2
     targets = {"norm": [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm],
-               "attn": [layer.self_attn], "mlp": [] if tiles else [layer.mlp]}
+               "attn": [layer.self_attn], "mlp": [] if (tiles or chunks) else [layer.mlp]}
     for kind in inner:
         for module in targets[kind]:
             last_or_outside = module is layer.mlp or module is model.model.norm
             assert module.recipes_forward_calls == (2 if last_or_outside else expected), kind
     n_layers = len(model.model.layers)
-    expected_wrapped = {"norm": 2 * n_layers + 1, "attn": n_layers, "mlp": 0 if tiles else n_layers}
+    expected_wrapped = {"norm": 2 * n_layers + 1, "attn": n_layers, "mlp": 0 if (tiles or chunks) else n_layers}
     for kind in ("norm", "attn", "mlp"):
         assert wrapped[kind] == (expected_wrapped[kind] if kind in inner else 0), kind
     if tiles:
@@ -88,6 +92,9 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles):
         # layer's replay runs it fully before early stop.
         assert layer.mlp.recipes_forward_calls == (3 if nested else 2) * tiles
         assert wrapped["tiled_mlp"] == len(model.model.layers)
+    if chunks:
+        assert layer.mlp.recipes_forward_calls == (3 * chunks - 1 if nested else 2 * chunks)
+        assert wrapped["chunked_mlp"] == len(model.model.layers)
     unwrapped = [m for kind, ms in targets.items() if kind not in inner for m in ms]
     for module in unwrapped:
         assert not hasattr(module, "recipes_forward_calls")
@@ -99,6 +106,7 @@ def test_patched_checkpoint_reloads_into_a_plain_model(tmp_path):
     patched = build_model(TINY)
     plain_keys = list(patched.state_dict())
     apply_memory_patches(patched, "layer+norm_attn_mlp", tiled_mlp=2)
+    apply_memory_patches(patched, "none", mlp_chunks=2)
     assert list(patched.state_dict()) == plain_keys  # forwards wrapped, names untouched
     patched.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -115,4 +123,6 @@ def test_unknown_policy_and_unsupported_model_are_clear_errors():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(RecipeError, match="support mistral, llama, qwen2"):
         apply_memory_patches(gpt2, "norm_attn")
-    assert apply_memory_patches(gpt2, "layer") == {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0}
+    assert apply_memory_patches(gpt2, "layer") == {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0}
+    with pytest.raises(RecipeError, match="Set one of `memory.tiled_mlp` and `memory.mlp_chunks`"):
+        apply_memory_patches(build_model(TINY), "layer", tiled_mlp=2, mlp_chunks=2)

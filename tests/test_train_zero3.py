@@ -76,11 +76,12 @@ def test_accelerate_launch_matches(ds1, tmp_path):
     assert s["losses"] == pytest.approx(summary(ds1)["losses"], abs=1e-5)
 
 
-@pytest.mark.parametrize("policy,tiles", [("norm_attn_mlp", 0), ("layer+norm_attn_mlp", 0), ("layer+norm_attn", 4)])
-def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles):
+@pytest.mark.parametrize("policy,tiles,chunks", [("norm_attn_mlp", 0, 0), ("layer+norm_attn_mlp", 0, 0), ("layer+norm_attn", 4, 0), ("layer+norm_attn", 0, 2)])
+def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles, chunks):
     """Recompute under ZeRO-3 must re-gather partitioned weights: any miss changes the gradients, so the curve."""
     run_train(tmp_path, *STEPS, "--per_device_train_batch_size", "2", "--save_strategy", "no",
-              "--memory.checkpointing", policy, "--memory.tiled_mlp", str(tiles), launcher="deepspeed", procs=2)
+              "--memory.checkpointing", policy, "--memory.tiled_mlp", str(tiles), "--memory.mlp_chunks", str(chunks),
+              launcher="deepspeed", procs=2)
     s = summary(tmp_path)
     assert sum(s["wrapped"].values()) > 0
     assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
