@@ -15,8 +15,9 @@ L = layers, H = hidden size):
                                                                  architecture (H_cal = 5120), scaled by width
                    step     = 4 x P / R (DeepSpeed's fp32 copy of the gradient partition)
   reserved       allocated x reserved_factor(config) x allocator_factor(allocator_conf), both measured
-  host (pinned)  offloading: L x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching allocator
-                 rounds each block up to a power of two)
+  host           activation offloading: L x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching
+                 allocator rounds each block up to a power of two); ZeRO-3 CPU offload: 12 x P / R (optimizer)
+                 and 2 x P / R per offloaded model's parameters per rank; times the ranks of a node
 
 The fitted numbers live in recipes/planner_calibration.json (`python launch/plan_memory.py --calibrate` rebuilds it
 from results/); a configuration without measurements borrows its nearest measured relative and says so.
@@ -68,7 +69,7 @@ class Plan:
     breakdown: dict  # GB per component
     peak_allocated_gb: float
     peak_reserved_gb: float
-    host_pinned_per_node_gb: float
+    host_per_node_gb: float  # pinned activations + ZeRO CPU offload, all ranks of a node
     calibrated_from: str
     gpu_memory_gb: float | None = None
     suggestions: list = field(default_factory=list)  # (change, predicted reserved GB)
@@ -154,16 +155,19 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     for key, f in cal.get("allocator_factors", {}).items():
         if s.allocator_conf and key in s.allocator_conf:
             factor *= f
-    pinned = 0.0
+    host = 0.0
     if s.config.endswith("+offload"):
         block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
-        pinned = s.layers * block * cal["pinned_factor"] * s.ranks_per_node
+        host += s.layers * block * cal["pinned_factor"]
+    if s.zero3:  # optimizer state; policy parameters; the reference's parameters (offloaded with the same config)
+        host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
+    host *= s.ranks_per_node
     breakdown = {"model_states": states, "reference_model": ref, "gathered_weights": gathered,
                  "activations_checkpointed": stored, "activations_peak_layer_and_lm_head": per_token,
                  "optimizer_step_transient": step, "allocator_overhead": allocated * (factor - 1)}
     return Plan(breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
                 peak_allocated_gb=round(allocated / GB, 2), peak_reserved_gb=round(allocated * factor / GB, 2),
-                host_pinned_per_node_gb=round(pinned / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb)
+                host_per_node_gb=round(host / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb)
 
 
 def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict | None = None) -> Setup:
@@ -227,7 +231,7 @@ def render(result: Plan) -> str:
     lines = [f"  {k.replace('_', ' '):<38} {v:8.2f} GB" for k, v in result.breakdown.items()]
     lines += [f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
               f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
-              f"  {'host pinned memory per node':<38} {result.host_pinned_per_node_gb:8.1f} GB",
+              f"  {'host memory per node (offloads)':<38} {result.host_per_node_gb:8.1f} GB",
               f"  calibrated from: {result.calibrated_from}"]
     if result.gpu_memory_gb is not None:
         verdict = "FITS" if result.fits else "DOES NOT FIT"

@@ -46,12 +46,17 @@ def test_zero3_arithmetic_by_hand():
     # optimizer offload moves the 12 fp32 bytes per parameter to the host
     off = predict(Setup(**{**s.__dict__, "offload_optimizer": True}), cal)
     assert off.breakdown["model_states"] == round(4 * p / 8 / 1e9, 2)
+    assert off.host_per_node_gb == round(12 * p / 8 * 8 / 1e9, 1)  # 8 ranks of a node, 12 bytes each per param
+    both = predict(Setup(**{**s.__dict__, "offload_optimizer": True, "offload_param": True}), cal)
+    # 12 optimizer + 2 policy params + 2 reference params per parameter, over the node's 8 ranks
+    assert both.host_per_node_gb == round(16 * p / 1e9, 1) and both.breakdown["model_states"] == round(2 * p / 8 / 1e9, 2)
+    assert both.breakdown["reference_model"] == 0
     # activation offloading: nothing stored per layer on the GPU, pinned host memory instead
     cal["configs"]["stock+offload"] = {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}
     offl = predict(Setup(**{**s.__dict__, "config": "stock+offload"}), cal)
     assert offl.breakdown["activations_checkpointed"] == 0
     block = 2 ** math.ceil(math.log2(tokens * 5120 * 2))  # 251.7 MB -> 268.4 MB (pinned blocks are powers of two)
-    assert offl.host_pinned_per_node_gb == round(40 * block * 8 / 1e9, 1)
+    assert offl.host_per_node_gb == round(40 * block * 8 / 1e9, 1)
 
 
 def test_every_committed_gpu_result_is_predicted_within_10_percent():
