@@ -283,12 +283,13 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     env = {**environment(args), "matmul_tflops": matmul_tflops()}
     args.environment = env
+    attn_width = _attn_width(args)
     results = []
     for seq in [int(s) for s in args.seq_tokens.split(",")]:
         for name in args.configs.split(","):
             results.append(run_one(args, name, seq))
             setup = setup_from_result(env, results[-1])
-            add_mfu(results[-1], env, (setup, _attn_width(args)))
+            add_mfu(results[-1], env, (setup, attn_width))
             print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "rc", "above_weights_gb",
                                                                   "peak_reserved_gb", "step_time_s")}), flush=True)
             write_outputs(args, results)

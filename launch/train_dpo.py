@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes import allocator  # noqa: E402
-from recipes.config import MemoryArgs, RecipeError, _build_section, _merge, parse_overrides  # noqa: E402
+from recipes.config import RecipeError, parse_overrides, read_memory_section  # noqa: E402
 
 logger = logging.getLogger("train_dpo")
 
@@ -69,17 +69,6 @@ def parse_cli(argv: list[str]) -> dict:
     if cli["deepspeed"]:
         cli["overrides"]["deepspeed"] = cli["deepspeed"]
     return cli
-
-
-def read_memory_section(recipe_path: str | None, overrides: dict) -> MemoryArgs:
-    """The memory section from the YAML with plain Python: nothing imported here touches torch."""
-    import yaml
-
-    raw = {}
-    if recipe_path and os.path.isfile(recipe_path):
-        raw = yaml.safe_load(open(recipe_path)) or {}
-    merged = _merge(raw if isinstance(raw, dict) else {}, overrides)
-    return _build_section("memory", merged.get("memory"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -200,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
         "partition_numel_per_rank": _gather(sum(t.numel() for t in local_parameters(trainer.model_wrapped))),
         "total_numel": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         "planner_predicted_reserved_gb": prediction.peak_reserved_gb if prediction else None,
-        "measured_reserved_gb": max((r["peak_reserved_gb"] or 0 for r in memory_callback.records), default=None),
+        "measured_reserved_gb": max((r["peak_reserved_gb"] for r in memory_callback.records
+                                     if r["peak_reserved_gb"] is not None), default=None),  # None without a GPU
     }
     if is_main and prediction and torch.cuda.is_available():
         logger.info("planner predicted peak reserved %.2f GB; measured %.2f GB",

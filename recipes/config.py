@@ -224,8 +224,9 @@ def _build_section(name: str, values) -> object:
     return cls(**kwargs)
 
 
-def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -> Recipe:
-    """Read a recipe YAML, apply overrides, check every key. Raises RecipeError naming the fix."""
+def read_raw(path: str | os.PathLike | None, overrides: dict | None = None) -> dict:
+    """The recipe YAML with overrides merged, as plain data. Pure Python: the entrypoint reads the memory section
+    through this before torch is imported (the allocator must be set before CUDA starts)."""
     raw: dict = {}
     if path is not None:
         path = Path(path)
@@ -237,7 +238,16 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
             raise RecipeError(f"Recipe {str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise RecipeError(f"Recipe {str(path)!r} must be a YAML mapping of keys.")
-    raw = _merge(raw, overrides or {})
+    return _merge(raw, overrides or {})
+
+
+def read_memory_section(path: str | os.PathLike | None, overrides: dict | None = None) -> MemoryArgs:
+    return _build_section("memory", read_raw(path, overrides).get("memory"))
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -> Recipe:
+    """Read a recipe YAML, apply overrides, check every key. Raises RecipeError naming the fix."""
+    raw = read_raw(path, overrides)
 
     dpo_fields = _dpo_fields()
     sections = {name: _build_section(name, raw.get(name)) for name in SECTIONS}
@@ -251,7 +261,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
                 f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory).{_suggest(key, valid)}"
             )
         trainer[key] = _coerce(value, dpo_fields[key].type, key)
-    return Recipe(**sections, trainer=trainer, path=str(path) if path else None)
+    return Recipe(**sections, trainer=trainer, path=str(path) if path is not None else None)
 
 
 def resolve_path(p: str) -> str:

@@ -36,6 +36,7 @@ def test_tensorboard_events_and_memory_telemetry_written(quickstart):
     for r in records:
         assert r["step_time_s"] > 0 and r["tokens"] > 0 and r["host_rss_gb"] > 0
         assert r["peak_allocated_gb"] is None  # no GPU here: GPU fields are null, not zero
+    assert summary(out)["measured_reserved_gb"] is None
     table = open(os.path.join(out, "memory_summary.md")).read()
     assert "Peak Allocated (GB)" in table and "Step Time (s)" in table
     assert os.path.getsize(os.path.join(out, "memory.png")) > 1000
