@@ -120,6 +120,7 @@ def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
     assert sites == {"transformers/models/mistral/modeling_mistral.py:47 forward": 0.25,
                      "transformers/models/mistral/modeling_mistral.py:194 forward": 0.2,
                      "other (no model/TRL frame)": 0.1}
+    assert [b["bytes"] for b in out["largest_blocks"]] == [250 * mb, 200 * mb, 100 * mb]
 
 
 def test_bench_end_to_end_on_cpu(tmp_path):
