@@ -34,7 +34,8 @@ sys.path.insert(0, ROOT)
 
 # Neutral memory settings every configuration starts from, then its own switches on top.
 BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
-        "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "activation_offloading": "false"}
+        "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "memory.lean_norm": "false",
+        "activation_offloading": "false"}
 CONFIGS = {
     # TRL 1.16 DPOTrainer as a user gets it: transformers' per-layer checkpointing, nothing of ours.
     "stock": {},
@@ -58,6 +59,16 @@ CONFIGS = {
                                          "activation_offloading": "true"},
     "layer+norm_attn+chunked8+offload": {"memory.checkpointing": "layer+norm_attn", "memory.mlp_chunks": "8",
                                          "activation_offloading": "true"},
+    # Lean norms (recipes/lean_norm.py), aimed at the 64k snapshot's largest holder: fp32 copies in the norms'
+    # backward. With them the norms need no checkpoint of their own; attention nested or not.
+    "layer+lean+chunked8+offload": {"memory.lean_norm": "true", "memory.mlp_chunks": "8",
+                                    "activation_offloading": "true"},
+    "layer+attn+lean+chunked4+offload": {"memory.checkpointing": "layer+attn_mlp", "memory.lean_norm": "true",
+                                         "memory.mlp_chunks": "4", "activation_offloading": "true"},
+    "layer+attn+lean+chunked8+offload": {"memory.checkpointing": "layer+attn_mlp", "memory.lean_norm": "true",
+                                         "memory.mlp_chunks": "8", "activation_offloading": "true"},
+    "layer+lean+chunked4+offload": {"memory.lean_norm": "true", "memory.mlp_chunks": "4",
+                                    "activation_offloading": "true"},
 }
 
 

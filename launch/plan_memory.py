@@ -41,7 +41,8 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
                  hidden=arch.hidden_size, seq=row["seq_tokens"], ranks=bench.gpus, ranks_per_node=bench.gpus,
                  zero3=environment["mode"] == "zero3", emulate=environment["mode"] == "emulate",
                  config=config_name(over["memory.checkpointing"], int(over["memory.tiled_mlp"]),
-                                    over["activation_offloading"] == "true", int(over["memory.mlp_chunks"])),
+                                    over["activation_offloading"] == "true", int(over["memory.mlp_chunks"]),
+                                    over["memory.lean_norm"] == "true"),
                  allocator_conf=None if conf == "null" else conf)
 
 

@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(recipe.model)
     # ZeRO-3 partitions each parameter as the model is constructed (zero.Init): no rank ever holds the whole model
     built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
-    wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks)
+    wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
+                                   memory.lean_norm)
     ref_model = None
     if recipe.model.architecture and not args.precompute_ref_log_probs:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)

@@ -52,6 +52,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .config import RecipeError
+from .lean_norm import make_lean
 
 INNER = {"attn_mlp": ("attn", "mlp"), "norm_attn": ("norm", "attn"), "norm_attn_mlp": ("norm", "attn", "mlp")}
 POLICIES = ["none", "layer", *INNER, *(f"layer+{p}" for p in INNER)]
@@ -148,15 +149,20 @@ def decoder_modules(model: torch.nn.Module):
 
 
 def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0,
-                         mlp_chunks: int = 0) -> dict[str, int]:
-    """Wrap the policy model's module forwards for `policy` (and tile or chunk its MLPs). Returns what was wrapped."""
+                         mlp_chunks: int = 0, lean_norm: bool = False) -> dict[str, int]:
+    """Wrap the policy model's module forwards for `policy` (tile or chunk its MLPs, make its norms lean).
+    Returns what was wrapped."""
     check_policy(policy)
     if tiled_mlp and mlp_chunks:
         raise RecipeError("Set one of `memory.tiled_mlp` and `memory.mlp_chunks`: both split the MLP's sequence.")
-    wrapped = {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0}
-    if policy in ("none", "layer") and not (tiled_mlp or mlp_chunks):
+    wrapped = {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0, "lean_norm": 0}
+    if policy in ("none", "layer") and not (tiled_mlp or mlp_chunks or lean_norm):
         return wrapped
     layers, final_norm = decoder_modules(model)
+    if lean_norm:  # first, so that a checkpoint wraps the lean forward
+        for norm in [final_norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+            make_lean(norm)
+            wrapped["lean_norm"] += 1
     inner = INNER.get(policy.removeprefix("layer+"), ())
     for layer in layers:
         if tiled_mlp:

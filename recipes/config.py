@@ -85,6 +85,8 @@ class MemoryArgs:
     tiled_mlp (int, defaults to 0): split each MLP over this many sequence tiles (DeepSpeed TiledMLP); 0 = off.
     mlp_chunks (int, defaults to 0): checkpoint each MLP per sequence chunk, this many chunks (see
         recipes/checkpointing.py; cheaper than TiledMLP under the layer checkpoint); 0 = off.
+    lean_norm (bool, defaults to False): RMSNorms computed over token chunks with a closed-form backward, saving
+        only their input and one fp32 scale per token (recipes/lean_norm.py): no fp32 copies of the hidden state.
     allocator_conf (str, defaults to None): PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64".
         Applied before CUDA initialises; overrides the environment's value (the log says which won).
     empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps. Setting
@@ -102,6 +104,7 @@ class MemoryArgs:
     checkpointing: str = "layer"
     tiled_mlp: int = 0
     mlp_chunks: int = 0
+    lean_norm: bool = False
     allocator_conf: str | None = None
     empty_cache_steps: int = 0
     empty_cache_microbatches: int = 0

@@ -25,7 +25,7 @@ def dpo_batch():
     return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
 
 
-def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0):
+def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean: bool = False):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1)."""
     from trl.trainer.utils import add_fused_lm_head
 
@@ -33,7 +33,7 @@ def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0):
     model = build_model(TINY)
     if uses_transformers_layer_checkpointing(policy):
         model.gradient_checkpointing_enable()
-    wrapped = apply_memory_patches(model, policy, tiles, chunks)
+    wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     trainer.ref_model = build_model(ModelArgs(**{**TINY.__dict__, "init_seed": 1}))
     add_fused_lm_head(trainer.ref_model)
@@ -63,6 +63,17 @@ def test_loss_and_every_gradient_equal_unpatched(dpo_batch, reference, policy, t
     assert torch.allclose(loss, ref_loss, atol=1e-6)
     for name, g in grads.items():
         assert torch.allclose(g, ref_grads[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("policy,chunks", [("none", 0), ("layer", 0), ("layer+attn_mlp", 4), ("layer+norm_attn", 4),
+                                           ("norm_attn_mlp", 0)])
+def test_lean_norm_changes_no_loss_or_gradient(dpo_batch, reference, policy, chunks):
+    _, ref_loss, ref_grads, _ = reference
+    model, loss, grads, wrapped = loss_and_grads(dpo_batch, policy, chunks=chunks, lean=True)
+    assert wrapped["lean_norm"] == 2 * len(model.model.layers) + 1
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-5), name
 
 
 @pytest.mark.parametrize("policy,tiles,chunks", CASES)
@@ -123,6 +134,7 @@ def test_unknown_policy_and_unsupported_model_are_clear_errors():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(RecipeError, match="support mistral, llama, qwen2"):
         apply_memory_patches(gpt2, "norm_attn")
-    assert apply_memory_patches(gpt2, "layer") == {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0}
+    assert apply_memory_patches(gpt2, "layer") == {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0,
+                                                     "lean_norm": 0}
     with pytest.raises(RecipeError, match="Set one of `memory.tiled_mlp` and `memory.mlp_chunks`"):
         apply_memory_patches(build_model(TINY), "layer", tiled_mlp=2, mlp_chunks=2)
