@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from recipes.config import RecipeError, load_recipe, parse_overrides  # noqa: E402
-from recipes.planner import CALIBRATION, Setup, config_name, count_params, plan, predict, render  # noqa: E402
+from recipes.planner import CALIBRATION, Setup, allocator_key, config_name, count_params, plan, predict, render  # noqa: E402
 
 
 def setup_from_result(environment: dict, row: dict) -> Setup:
@@ -89,7 +89,7 @@ def calibrate() -> dict:
         s = setup_from_result(env, row)
         if s.allocator_conf and s.config in cal["configs"]:
             unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
-            cal["allocator_factors"][s.allocator_conf] = round(row["peak_reserved_gb"] / unfactored, 4)
+            cal["allocator_factors"][allocator_key(s)] = round(row["peak_reserved_gb"] / unfactored, 4)
     return cal
 
 
