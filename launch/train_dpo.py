@@ -138,6 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
     ref_model = None
     if recipe.model.architecture and not args.precompute_ref_log_probs:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
+    sp = None
+    if recipe.parallelism.sp_size > 1:  # routes attention through Ulysses for every model of this process
+        from recipes.sequence_parallel import SequenceParallel
+
+        sp = SequenceParallel(recipe.parallelism.sp_size, 2 * args.per_device_train_batch_size, model)
     if memory.sgd_in_backward:
         sgd_in_backward(model, args.learning_rate)
     memory_callback.weights_gb = parameter_bytes(model, ref_model) / 1e9
@@ -149,6 +154,14 @@ def main(argv: list[str] | None = None) -> dict:
                 logs.update(memory_callback.telemetry_logs())
             super().log(logs, start_time)
 
+        def get_train_dataloader(self):
+            loader = super().get_train_dataloader()
+            return sp.shard_over_data_parallel_ranks(loader) if sp else loader
+
+        def get_eval_dataloader(self, eval_dataset=None):
+            loader = super().get_eval_dataloader(eval_dataset)
+            return sp.shard_over_data_parallel_ranks(loader) if sp else loader
+
     trainer = RecipeDPOTrainer(
         model=model,
         ref_model=ref_model,
@@ -158,14 +171,19 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         callbacks=[memory_callback],
     )
+    if sp:
+        sp.wrap(trainer.model)  # TRL's fused-LM-head forwards, policy and reference
+        sp.wrap(trainer.ref_model)
+        trainer._tp_size = sp.k  # TRL's token count gathers every rank: a group holds each token K times
     report = length_report(trainer.train_dataset, len(train_raw), args.max_length)
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    dp_size = args.world_size // recipe.parallelism.sp_size
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
     if is_main:
         logger.info("length report (tokens per sequence = prompt + longer completion): %s", report)
         logger.info(
-            "scale: %d ranks, %d pairs per optimizer step, up to %d tokens per step (2 x max_length x pairs); "
-            "checkpointing=%s wrapped=%s tiled_mlp=%d allocator=%s (%s)",
-            args.world_size, global_batch, 2 * (args.max_length or report["tokens_max"]) * global_batch,
+            "scale: %d ranks (sequence parallel %d x data parallel %d), %d pairs per optimizer step, up to %d "
+            "tokens per step (2 x max_length x pairs); checkpointing=%s wrapped=%s tiled_mlp=%d allocator=%s (%s)",
+            args.world_size, recipe.parallelism.sp_size, dp_size, global_batch, 2 * (args.max_length or report["tokens_max"]) * global_batch,
             memory.checkpointing, {k: v for k, v in wrapped.items() if v}, memory.tiled_mlp,
             memory_callback.allocator["allocator_conf"], memory_callback.allocator["source"],
         )
@@ -181,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
             tokenizer.save_pretrained(args.output_dir)
     summary = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "train_logs": [h for h in trainer.state.log_history if "loss" in h],  # rewards, logps, ... per step
         "train_loss": result.training_loss,
         "world_size": args.world_size,
         "length_report": report,

@@ -114,7 +114,19 @@ class MemoryArgs:
     memory_cap_gb: float | None = None
 
 
-SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs}
+@dataclass
+class ParallelismArgs:
+    """How each pair is spread over the GPUs (recipes/sequence_parallel.py).
+
+    sp_size (int, defaults to 1): sequence parallelism (DeepSpeed Ulysses). Each chosen/rejected sequence is split
+        over this many ranks; attention exchanges heads for sequence all-to-all. The remaining
+        world_size / sp_size ranks are data parallel. Must divide the number of processes and the attention heads.
+    """
+
+    sp_size: int = 1
+
+
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": ParallelismArgs}
 
 
 @dataclass
@@ -122,6 +134,7 @@ class Recipe:
     model: ModelArgs
     data: DataArgs
     memory: MemoryArgs
+    parallelism: ParallelismArgs
     trainer: dict  # DPOConfig keyword arguments (validated names, coerced types)
     path: str | None = None
 
@@ -261,7 +274,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
         if key not in dpo_fields:
             valid = list(dpo_fields) + list(SECTIONS)
             raise RecipeError(
-                f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory).{_suggest(key, valid)}"
+                f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory/parallelism).{_suggest(key, valid)}"
             )
         trainer[key] = _coerce(value, dpo_fields[key].type, key)
     return Recipe(**sections, trainer=trainer, path=str(path) if path is not None else None)

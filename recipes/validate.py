@@ -15,6 +15,7 @@ from .checkpointing import check_policy
 from .config import Recipe, RecipeError, resolve_path
 from .data import check_data_args
 from .modeling import check_model_args
+from .sequence_parallel import check_sequence_parallel
 
 
 def check_deepspeed_config(path: str) -> dict:
@@ -36,6 +37,11 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     check_model_args(recipe.model)
     check_data_args(recipe.data)
     check_policy(mem.checkpointing)
+    if recipe.parallelism.sp_size != 1:
+        from .modeling import load_architecture
+
+        check_sequence_parallel(recipe.parallelism.sp_size, world_size, load_architecture(recipe.model), t,
+                                recipe.model.attn_implementation, evaluating=bool(recipe.data.eval_files))
     if mem.allocator_conf:
         allocator.parse(mem.allocator_conf)
     if mem.tiled_mlp and mem.mlp_chunks:
@@ -83,12 +89,13 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         if not isinstance(value, int) or value < 1:
             raise RecipeError(f"`{key}` must be a positive integer, got {value!r}.")
     want = recipe.data.global_batch_size
-    if want is not None and per_device * accum * world_size != want:
-        fix = want // (per_device * world_size) if want % (per_device * world_size) == 0 else None
+    dp = world_size // recipe.parallelism.sp_size  # the ranks of a sequence-parallel group share their pairs
+    if want is not None and per_device * accum * dp != want:
+        fix = want // (per_device * dp) if want % (per_device * dp) == 0 else None
         hint = f"set `gradient_accumulation_steps: {fix}`" if fix else "change per_device_train_batch_size or the GPU count"
         raise RecipeError(
             f"`data.global_batch_size` is {want} but per_device_train_batch_size ({per_device}) x "
-            f"gradient_accumulation_steps ({accum}) x {world_size} ranks = {per_device * accum * world_size}; {hint}."
+            f"gradient_accumulation_steps ({accum}) x {dp} data-parallel ranks = {per_device * accum * dp}; {hint}."
         )
 
 
