@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_logs": [h for h in trainer.state.log_history if "loss" in h],  # rewards, logps, ... per step
         "train_loss": result.training_loss,
         "world_size": args.world_size,
+        "sequence_parallel": {"sp_size": recipe.parallelism.sp_size, "dp_size": dp_size},
         "length_report": report,
         "wrapped": wrapped,
         "allocator": memory_callback.allocator,
