@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer_kwargs["report_to"] = resolve_report_to(trainer_kwargs)
     trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
     trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
+    if recipe.parallelism.sp_size > 1:  # evaluation's extra logits forward cannot be sequence-parallel
+        trainer_kwargs.setdefault("prediction_loss_only", True)
     if memory.sgd_in_backward:  # the update happens in backward; the Trainer's SGD then finds no gradients
         trainer_kwargs.update(optim="sgd", max_grad_norm=0.0)
     teach_accelerate_cpu_gloo()
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "train_logs": [h for h in trainer.state.log_history if "loss" in h],  # rewards, logps, ... per step
+        "eval_logs": [h for h in trainer.state.log_history if "eval_loss" in h],
         "train_loss": result.training_loss,
         "world_size": args.world_size,
         "sequence_parallel": {"sp_size": recipe.parallelism.sp_size, "dp_size": dp_size},

@@ -1,7 +1,7 @@
 """Will it fit? A per-rank memory model of a recipe, calibrated from the committed GPU results.
 
-Per rank, in bytes (P = parameters, R = data-parallel ranks, T = tokens per micro-batch = 2 x max_length x batch,
-L = layers, H = hidden size):
+Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per micro-batch and rank =
+2 x max_length x batch / sp_size, L = layers, H = hidden size):
 
   model states   ZeRO-3: (2 param + 2 grad + 12 fp32 master/Adam) x P / R, offloaded parts moved to host;
                  one process + sgd_in_backward: 2 x P (no gradient or optimizer state survives)
@@ -58,10 +58,12 @@ class Setup:
     precompute_ref: bool = False
     config: str = "stock"  # calibration key: stock / stock+offload / layer+norm_attn_mlp+offload / ...
     allocator_conf: str | None = None
+    sp: int = 1  # sequence-parallel group size: each rank holds 1/sp of every sequence
 
     @property
     def tokens(self) -> int:
-        return 2 * self.seq * self.batch
+        """Tokens whose activations this rank holds: the chosen + rejected sequences, or its 1/sp shard of them."""
+        return 2 * self.seq * self.batch // self.sp
 
 
 @dataclass
@@ -96,7 +98,9 @@ def model_flops_per_step(s: Setup, attn_width: int, with_reference: bool = True)
     Forward = 2 x matmul parameters (all but the input embedding) per token + causal attention
     2 x seq^2 x attention width per layer per sequence."""
     matmul_params = s.params - s.embed_params
-    forward = 2 * matmul_params * s.tokens + 2 * s.batch * 2 * s.layers * s.seq ** 2 * attn_width
+    # under sequence parallelism a rank runs the linear layers on its 1/sp of the tokens and attention on 1/sp of
+    # the heads over the whole sequence: both terms divide by sp (s.tokens already does)
+    forward = 2 * matmul_params * s.tokens + 2 * s.batch * 2 * s.layers * s.seq ** 2 * attn_width / s.sp
     return forward * (3 + (1 if with_reference else 0))
 
 
@@ -170,6 +174,8 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     breakdown = {"model_states": states, "reference_model": ref, "gathered_weights": gathered,
                  "activations_checkpointed": stored, "activations_peak_layer_and_lm_head": per_token,
                  "optimizer_step_transient": step, "allocator_overhead": allocated * (factor - 1)}
+    if s.sp > 1:
+        source += f"; sequence parallel {s.sp}: per-rank tokens / {s.sp} (Ulysses all-to-all buffers not calibrated)"
     return Plan(breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
                 peak_allocated_gb=round(allocated / GB, 2), peak_reserved_gb=round(allocated * factor / GB, 2),
                 host_per_node_gb=round(host / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb)
@@ -191,7 +197,7 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
                  offload_param=zero.get("offload_param", {}).get("device") == "cpu",
                  emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
                  config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm),
-                 allocator_conf=mem.allocator_conf)
+                 allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size)
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.

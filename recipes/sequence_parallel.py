@@ -70,6 +70,9 @@ def check_sequence_parallel(sp_size, world_size: int, arch, trainer: dict, attn_
         raise RecipeError("`precompute_ref_log_probs: true` runs the reference over the dataset before training, "
                           "outside the sequence-parallel forward. Set it to false with `parallelism.sp_size > 1` "
                           "(the reference is then sequence-parallel too).")
+    if trainer.get("prediction_loss_only") is False:
+        raise RecipeError("`prediction_loss_only: false` makes evaluation recompute full logits outside the "
+                          "sequence-parallel forward; remove it (sequence parallelism sets it to true).")
     train_bs = trainer.get("per_device_train_batch_size", 8)
     if evaluating and trainer.get("per_device_eval_batch_size", 8) > train_bs:
         raise RecipeError(f"With `parallelism.sp_size > 1`, `per_device_eval_batch_size` must be <= "

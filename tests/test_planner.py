@@ -116,3 +116,31 @@ def test_out_of_memory_reports_the_fix_and_keeps_the_checkpoint(tmp_path):
     assert f"last saved checkpoint (intact): {tmp_path / 'checkpoint-2'}" in out
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-2")  # loads
     assert not os.path.exists(tmp_path / "checkpoint-3")
+
+
+def test_sequence_parallel_divides_the_activations_not_the_model_states():
+    """sp_size 8 at 131,072 tokens: each rank's activations are those of a 16,384-token run; states are unchanged."""
+    p, layer, embed = 12_247_782_400, 272_640_000, 671_088_640
+    base = Setup(params=p, layer_params=layer, embed_params=embed, layers=40, hidden=5120, seq=131072, ranks=8,
+                 ranks_per_node=8, zero3=True, config="layer+norm_attn_mlp+offload")
+    sp8 = predict(Setup(**{**base.__dict__, "sp": 8}))
+    short = predict(Setup(**{**base.__dict__, "seq": 16384}))
+    whole = predict(base)
+    assert sp8.breakdown == short.breakdown and sp8.host_per_node_gb == short.host_per_node_gb
+    assert whole.breakdown["activations_peak_layer_and_lm_head"] == pytest.approx(
+        8 * sp8.breakdown["activations_peak_layer_and_lm_head"], rel=1e-3)
+    assert "sequence parallel 8" in sp8.calibrated_from
+    from recipes.planner import model_flops_per_step
+
+    assert model_flops_per_step(Setup(**{**base.__dict__, "sp": 8}), 4096) == pytest.approx(
+        model_flops_per_step(base, 4096) / 8)
+
+
+def test_shipped_128k_recipe_is_planned_per_rank():
+    from recipes.config import load_recipe
+    from recipes.planner import plan
+    from recipes.validate import check_deepspeed_config
+
+    result = plan(load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_128k_sp8.yaml")), 8, 80.0,
+                  ds_config=check_deepspeed_config(os.path.join(ROOT, "ds_configs", "zero3.json")))
+    assert result.fits and "sequence parallel 8" in result.calibrated_from

@@ -47,7 +47,9 @@ def test_loss_gradients_and_metrics_equal_the_unsharded_run(worker, rank):
 
 
 STEPS = ["--max_steps", "3", "--report_to", "none", "--save_strategy", "no", "--per_device_train_batch_size", "2",
-         "--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0"]  # SGD: a gradient scale error would show
+         "--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0",  # SGD: a gradient scale error would show
+         "--data.eval_files", "[recipes/data/arithmetic_preferences.jsonl]", "--data.max_train_samples", "16",
+         "--eval_strategy", "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +69,9 @@ def test_zero3_training_with_sp2_equals_sp1(zero3_runs):
                     "logps/rejected", "logits/chosen", "entropy", "num_tokens"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     assert one["losses"][-1] < one["losses"][0]
+    (ev1,), (ev2,) = one["eval_logs"], two["eval_logs"]  # evaluation sequence-parallel too, over the same pairs
+    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected"):
+        assert ev2[key] == pytest.approx(ev1[key], rel=1e-5, abs=1e-6), key
 
 
 def test_zero3_sp2_saves_the_same_parameters(zero3_runs):
@@ -92,6 +97,7 @@ ARCH = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, sliding_wi
      {"max_length": 8192}, "sdpa", "sliding-window attention"),
     (2, 2, ARCH, {"padding_free": True}, "sdpa", "padding_free"),
     (2, 2, ARCH, {"precompute_ref_log_probs": True}, "sdpa", "precompute_ref_log_probs"),
+    (2, 2, ARCH, {"prediction_loss_only": False}, "sdpa", "prediction_loss_only"),
 ])
 def test_bad_sequence_parallel_settings_are_clear_errors(k, world, arch, trainer, attn, match):
     with pytest.raises(RecipeError, match=match):
