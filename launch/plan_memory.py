@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from recipes.config import RecipeError, load_recipe, parse_overrides  # noqa: E402
-from recipes.planner import CALIBRATION, Setup, allocator_key, config_name, count_params, plan, predict, render  # noqa: E402
+from recipes.planner import (CALIBRATION, Setup, allocator_key, config_name, count_params, plan,  # noqa: E402
+                             predict, render)
 
 
 def setup_from_result(environment: dict, row: dict) -> Setup:

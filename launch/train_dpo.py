@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info(
             "scale: %d ranks (sequence parallel %d x data parallel %d), %d pairs per optimizer step, up to %d "
             "tokens per step (2 x max_length x pairs); checkpointing=%s wrapped=%s tiled_mlp=%d allocator=%s (%s)",
-            args.world_size, recipe.parallelism.sp_size, dp_size, global_batch, 2 * (args.max_length or report["tokens_max"]) * global_batch,
+            args.world_size, recipe.parallelism.sp_size, dp_size, global_batch,
+            2 * (args.max_length or report["tokens_max"]) * global_batch,
             memory.checkpointing, {k: v for k, v in wrapped.items() if v}, memory.tiled_mlp,
             memory_callback.allocator["allocator_conf"], memory_callback.allocator["source"],
         )

@@ -68,6 +68,11 @@ def check_policy(policy: str) -> None:
         raise RecipeError(f"`memory.checkpointing: {policy}` is not a policy.{hint} Choose one of: {', '.join(POLICIES)}.")
 
 
+def check_mlp_split(tiled_mlp: int, mlp_chunks: int) -> None:
+    if tiled_mlp and mlp_chunks:
+        raise RecipeError("Set one of `memory.tiled_mlp` and `memory.mlp_chunks`: both split the MLP's sequence.")
+
+
 def uses_transformers_layer_checkpointing(policy: str) -> bool:
     """`layer` and `layer+...` use transformers' own per-layer checkpointing (DPOConfig.gradient_checkpointing)."""
     return policy == "layer" or policy.startswith("layer+")
@@ -153,8 +158,7 @@ def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0
     """Wrap the policy model's module forwards for `policy` (tile or chunk its MLPs, make its norms lean).
     Returns what was wrapped."""
     check_policy(policy)
-    if tiled_mlp and mlp_chunks:
-        raise RecipeError("Set one of `memory.tiled_mlp` and `memory.mlp_chunks`: both split the MLP's sequence.")
+    check_mlp_split(tiled_mlp, mlp_chunks)
     wrapped = {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0, "lean_norm": 0}
     if policy in ("none", "layer") and not (tiled_mlp or mlp_chunks or lean_norm):
         return wrapped

@@ -11,7 +11,7 @@ import logging
 import os
 
 from . import allocator
-from .checkpointing import check_policy
+from .checkpointing import check_mlp_split, check_policy
 from .config import Recipe, RecipeError, resolve_path
 from .data import check_data_args
 from .modeling import check_model_args
@@ -44,8 +44,7 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
                                 recipe.model.attn_implementation, evaluating=bool(recipe.data.eval_files))
     if mem.allocator_conf:
         allocator.parse(mem.allocator_conf)
-    if mem.tiled_mlp and mem.mlp_chunks:
-        raise RecipeError("Set one of `memory.tiled_mlp` and `memory.mlp_chunks`: both split the MLP's sequence.")
+    check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
     for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps"):
         if getattr(mem, key) < 0:
             raise RecipeError(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
