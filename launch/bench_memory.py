@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 # Neutral memory settings every configuration starts from, then its own switches on top.
 BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
-        "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "memory.lean_norm": "false",
+        "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "memory.lean_norm": "false", "memory.lean_lm_head": "false",
         "activation_offloading": "false"}
 CONFIGS = {
     # TRL 1.16 DPOTrainer as a user gets it: transformers' per-layer checkpointing, nothing of ours.
@@ -70,6 +70,12 @@ CONFIGS = {
     "layer+lean+chunked4+offload": {"memory.lean_norm": "true", "memory.mlp_chunks": "4",
                                     "activation_offloading": "true"},
 }
+# "+head": the lean LM-head backward (recipes/lean_lm_head.py), aimed at the 12k floor: TRL's fp32 buffer of the whole
+# LM-head weight gradient. Added to the configurations that led at 12k and at 32k-64k.
+for _name in ("layer+norm_attn_mlp+offload", "layer+attn+lean+chunked4+offload", "layer+lean+chunked4+offload",
+              "layer+attn+lean+chunked8+offload", "layer+lean+chunked8+offload"):
+    CONFIGS[_name.replace("+offload", "+head+offload")] = {**CONFIGS[_name], "memory.lean_lm_head": "true"}
+
 
 
 def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:

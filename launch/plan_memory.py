@@ -43,7 +43,7 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
                  zero3=environment["mode"] == "zero3", emulate=environment["mode"] == "emulate",
                  config=config_name(over["memory.checkpointing"], int(over["memory.tiled_mlp"]),
                                     over["activation_offloading"] == "true", int(over["memory.mlp_chunks"]),
-                                    over["memory.lean_norm"] == "true"),
+                                    over["memory.lean_norm"] == "true", over["memory.lean_lm_head"] == "true"),
                  allocator_conf=None if conf == "null" else conf)
 
 

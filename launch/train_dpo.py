@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- 2. recipe and start-up checks (no model loaded yet) ---------------------------------------------------
     import torch
 
+    from recipes import lean_lm_head
     from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
     from recipes.config import load_recipe
     from recipes.validate import check_recipe, resolve_report_to
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
     wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
                                    memory.lean_norm)
+    wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, below
     ref_model = None
     if recipe.model.architecture and not args.precompute_ref_log_probs:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
@@ -193,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- 7. train and save ---------------------------------------------------------------------------------------
     try:
-        result = trainer.train(resume_from_checkpoint=cli["resume"])
+        with lean_lm_head.routed(memory.lean_lm_head):
+            result = trainer.train(resume_from_checkpoint=cli["resume"])
     except torch.OutOfMemoryError as e:
         raise OutOfMemory(oom_report(e, recipe, world_size, memory_callback, args.output_dir)) from None
     if cli["save"]:
@@ -300,18 +303,26 @@ def oom_report(error, recipe, world_size, memory_callback, output_dir) -> str:
 
 
 def _gather(value) -> list:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    dist = _distributed()
+    if dist is None:
         return [value]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
 
 
+def _distributed():
+    """torch.distributed when a process group is up, else None (imported late: the allocator wants torch unloaded)."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
 def run() -> int:
     try:
         main()
+        if _distributed():
+            _distributed().barrier()  # no rank tears the process group down while another still uses it
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -319,10 +330,8 @@ def run() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if _distributed():
+            _distributed().destroy_process_group()
     return 0
 
 

@@ -87,6 +87,8 @@ class MemoryArgs:
         recipes/checkpointing.py; cheaper than TiledMLP under the layer checkpoint); 0 = off.
     lean_norm (bool, defaults to False): RMSNorms computed over token chunks with a closed-form backward, saving
         only their input and one fp32 scale per token (recipes/lean_norm.py): no fp32 copies of the hidden state.
+    lean_lm_head (bool, defaults to False): TRL's fused LM head with its backward looping over vocabulary chunks
+        outside token chunks (recipes/lean_lm_head.py): no fp32 buffer of the whole LM-head weight gradient.
     allocator_conf (str, defaults to None): PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64".
         Applied before CUDA initialises; overrides the environment's value (the log says which won).
     empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps. Setting
@@ -105,6 +107,7 @@ class MemoryArgs:
     tiled_mlp: int = 0
     mlp_chunks: int = 0
     lean_norm: bool = False
+    lean_lm_head: bool = False
     allocator_conf: str | None = None
     empty_cache_steps: int = 0
     empty_cache_microbatches: int = 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 from dataclasses import dataclass, field, replace
 
@@ -104,10 +105,13 @@ def model_flops_per_step(s: Setup, attn_width: int, with_reference: bool = True)
     return forward * (3 + (1 if with_reference else 0))
 
 
-def config_name(policy: str, tiled_mlp: int, offload: bool, mlp_chunks: int = 0, lean_norm: bool = False) -> str:
+def config_name(policy: str, tiled_mlp: int, offload: bool, mlp_chunks: int = 0, lean_norm: bool = False,
+                lean_lm_head: bool = False) -> str:
     name = "stock" if policy == "layer" else policy
     if lean_norm:
         name += "+lean"
+    if lean_lm_head:
+        name += "+head"
     if tiled_mlp:
         name += "+tiled"
     if mlp_chunks:
@@ -118,7 +122,7 @@ def config_name(policy: str, tiled_mlp: int, offload: bool, mlp_chunks: int = 0,
 def stored_bytes(config: str) -> float:
     if "offload" in config and config.split("+")[0] in ("stock", "layer"):
         return 0.0  # TRL offloads the layer checkpoint's inputs to host memory
-    policy = config.split("+offload")[0].split("+tiled")[0].split("+chunked")[0].split("+lean")[0]
+    policy = re.split(r"\+(?:lean|head|tiled|chunked|offload)", config)[0]
     if policy == "stock" or policy.startswith("layer"):
         return STORED_BYTES["layer"]
     return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
@@ -196,7 +200,8 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
                  offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
                  offload_param=zero.get("offload_param", {}).get("device") == "cpu",
                  emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
-                 config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm),
+                 config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm,
+                                    mem.lean_lm_head),
                  allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size)
 
 

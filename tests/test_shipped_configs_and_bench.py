@@ -168,6 +168,6 @@ def test_bench_zero3_mode_on_cpu(tmp_path):
     results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "zero3", "--gpus", "2",
                     "--port", str(free_port()), "--seq-tokens", "48", "--steps", "2", "--prompt-tokens", "8",
                     "--configs", "stock,layer+norm_attn_mlp", "--out", str(tmp_path)])
-    assert [r["rc"] for r in results] == [0, 0], open(tmp_path / "bench.log").read()[-3000:]
+    assert [r["rc"] for r in results] == [0, 0], open(tmp_path / "bench.log").read()  # every run's log tail
     assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)
     assert json.load(open(tmp_path / "results.json"))["environment"]["mode"] == "zero3"
