@@ -1,7 +1,10 @@
-"""GPU probe: TRL's fused LM-head backward vs the lean one (recipes/lean_lm_head.py) at a real size.
+"""GPU probe of the two kernels that hold the peak once activations are lean, at the 12B model's sizes.
 
-Peak memory the backward adds on top of its inputs, its time, and how far the lean gradients are from TRL's.
-    python launch/probe_lm_head.py --tokens 24576 --out probe_lm_head.json   # one 12k pair (chosen + rejected)
+1. TRL's fused LM-head backward vs the lean one (recipes/lean_lm_head.py): peak memory the backward adds on top of
+   its inputs, its time, and how far the lean gradients are from TRL's.
+2. Causal SDPA forward + backward with grouped-query attention (32 query / 8 key-value heads, head_dim 128), as
+   transformers calls it (enable_gqa, no mask), per SDPA backend: peak above the inputs and time.
+    python launch/probe_kernels.py --tokens 24576 --attn-seq 65536 --out probe.json
 """
 
 from __future__ import annotations
@@ -32,6 +35,35 @@ def measure(fn, hidden, weight, targets) -> dict:
             "grads": (h.grad, w.grad)}
 
 
+def attention(seq: int, batch: int = 2, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    rows = {}
+    for name in ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        backends = list(SDPBackend) if name == "default" else [getattr(SDPBackend, name)]
+        try:
+            for _ in range(2):  # the second is measured
+                q.grad = k.grad = v.grad = None
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                with sdpa_kernel(backends):
+                    out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+                out.backward(torch.ones_like(out))
+                torch.cuda.synchronize()
+                rows[name] = {"fwd_bwd_s": round(time.perf_counter() - t0, 3),
+                              "peak_above_inputs_gb": round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)}
+                del out
+        except (RuntimeError, NotImplementedError) as e:  # this backend cannot run these shapes
+            rows[name] = {"error": str(e).splitlines()[0][:200]}
+    return {"seq": seq, "batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, **rows}
+
+
 def main(argv=None):
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
@@ -41,6 +73,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=24576)
     p.add_argument("--vocab", type=int, default=131072)
     p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--attn-seq", type=int, default=None, help="also probe attention at this sequence length")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -57,6 +90,10 @@ def main(argv=None):
            "max_abs_grad_hidden": h0.float().abs().max().item(),
            "max_abs_diff_grad_weight": (w1.float() - w0.float()).abs().max().item(),
            "max_abs_grad_weight": w0.float().abs().max().item()}
+    del hidden, weight, h0, w0, h1, w1
+    torch.cuda.empty_cache()
+    if args.attn_seq:
+        out["attention"] = attention(args.attn_seq)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
