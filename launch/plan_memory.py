@@ -44,7 +44,8 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
                  config=config_name(over["memory.checkpointing"], int(over["memory.tiled_mlp"]),
                                     over["activation_offloading"] == "true", int(over["memory.mlp_chunks"]),
                                     over["memory.lean_norm"] == "true", over["memory.lean_lm_head"] == "true"),
-                 allocator_conf=None if conf == "null" else conf)
+                 allocator_conf=None if conf == "null" else conf,
+                 offload_pinned=over["memory.offload_pin_memory"] == "true")
 
 
 def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
@@ -77,7 +78,7 @@ def calibrate() -> dict:
         for s, row, _ in items:
             residual = row["peak_allocated_gb"] * 1e9 - predict(s, base).peak_allocated_gb * 1e9
             num, den = num + residual * s.tokens, den + s.tokens ** 2
-            if row.get("host_pinned_gb") and config.endswith("+offload"):
+            if row.get("host_pinned_gb") and config.endswith("+offload") and s.offload_pinned:
                 block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
                 pinned.append(row["host_pinned_gb"] * 1e9 / (s.layers * block))
         factors = [row["peak_reserved_gb"] / row["peak_allocated_gb"] for _, row, _ in items]

@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         callbacks=[memory_callback],
     )
+    if args.activation_offloading and not memory.offload_pin_memory:  # TRL's own offloader, pageable host memory
+        from trl.models import get_act_offloading_ctx_manager
+
+        trainer.maybe_activation_offload_context = get_act_offloading_ctx_manager(trainer.model, use_pin_memory=False)
     if sp:
         sp.wrap(trainer.model)  # TRL's fused-LM-head forwards, policy and reference
         sp.wrap(trainer.ref_model)

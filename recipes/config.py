@@ -89,6 +89,10 @@ class MemoryArgs:
         only their input and one fp32 scale per token (recipes/lean_norm.py): no fp32 copies of the hidden state.
     lean_lm_head (bool, defaults to False): TRL's fused LM head with its backward looping over vocabulary chunks
         outside token chunks (recipes/lean_lm_head.py): no fp32 buffer of the whole LM-head weight gradient.
+    offload_pin_memory (bool, defaults to True): with `activation_offloading`, keep offloaded activations in pinned
+        host memory (TRL's default: asynchronous copies, but torch's pinned cache rounds each block up to a power of
+        two: 1.34 GB -> 2 GB at 64k). False: pageable memory, exact sizes, slower copies; for runs whose offload would
+        not fit in host RAM (see launch/plan_memory.py's host figure).
     allocator_conf (str, defaults to None): PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64".
         Applied before CUDA initialises; overrides the environment's value (the log says which won).
     empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps. Setting
@@ -108,6 +112,7 @@ class MemoryArgs:
     mlp_chunks: int = 0
     lean_norm: bool = False
     lean_lm_head: bool = False
+    offload_pin_memory: bool = True
     allocator_conf: str | None = None
     empty_cache_steps: int = 0
     empty_cache_microbatches: int = 0

@@ -60,6 +60,7 @@ class Setup:
     config: str = "stock"  # calibration key: stock / stock+offload / layer+norm_attn_mlp+offload / ...
     allocator_conf: str | None = None
     sp: int = 1  # sequence-parallel group size: each rank holds 1/sp of every sequence
+    offload_pinned: bool = True  # pinned host blocks are rounded up to a power of two; pageable ones are not
 
     @property
     def tokens(self) -> int:
@@ -170,8 +171,8 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     factor = coef["reserved_factor"] * cal.get("allocator_factors", {}).get(allocator_key(s), 1.0)
     host = 0.0
     if s.config.endswith("+offload"):
-        block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
-        host += s.layers * block * cal["pinned_factor"]
+        block = s.tokens * s.hidden * 2
+        host += s.layers * (2 ** math.ceil(math.log2(block)) * cal["pinned_factor"] if s.offload_pinned else block)
     if s.zero3:  # optimizer state; policy parameters; the reference's parameters (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
     host *= s.ranks_per_node
@@ -202,7 +203,7 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
                  emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
                  config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm,
                                     mem.lean_lm_head),
-                 allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size)
+                 allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size, offload_pinned=mem.offload_pin_memory)
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.

@@ -72,6 +72,9 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     # Precision: DPOConfig defaults to bf16, which a CPU-only machine refuses.
     if not cuda_available and (t.get("bf16") or t.get("fp16")):
         raise RecipeError("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")
+    if not mem.offload_pin_memory and not t.get("activation_offloading"):
+        raise RecipeError("`memory.offload_pin_memory: false` only changes TRL's activation offloading; set "
+                          "`activation_offloading: true` too, or drop it.")
     if not cuda_available and t.get("activation_offloading"):
         raise RecipeError("TRL's activation offloading moves activations to pinned host memory from a GPU; on a "
                           "CPU-only machine set `activation_offloading: false`.")

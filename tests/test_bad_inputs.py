@@ -30,6 +30,7 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--model.dtype", "bfloat16"], "set `model.dtype: float32`"),
     (["--model.dtype", "float64"], "`model.dtype` must be one of"),
     (["--activation_offloading", "true"], "set `activation_offloading: false`"),
+    (["--memory.offload_pin_memory", "false"], "set `activation_offloading: true` too"),
     (["--max_length", "1"], "`max_length` must be an integer >= 2"),
     (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size` must be a positive integer"),
     (["--data.global_batch_size", "8"], r"set `gradient_accumulation_steps: 2`"),

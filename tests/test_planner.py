@@ -57,6 +57,9 @@ def test_zero3_arithmetic_by_hand():
     assert offl.breakdown["activations_checkpointed"] == 0
     block = 2 ** math.ceil(math.log2(tokens * 5120 * 2))  # 251.7 MB -> 268.4 MB (pinned blocks are powers of two)
     assert offl.host_per_node_gb == round(40 * block * 8 / 1e9, 1)
+    pageable = predict(Setup(**{**s.__dict__, "config": "stock+offload", "offload_pinned": False}), cal)
+    assert pageable.host_per_node_gb == round(40 * tokens * 5120 * 2 * 8 / 1e9, 1)  # exact sizes, not rounded up
+    assert pageable.peak_allocated_gb == offl.peak_allocated_gb
 
 
 def test_every_committed_gpu_result_is_predicted_within_10_percent():
