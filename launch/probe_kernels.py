@@ -44,7 +44,8 @@ def attention(seq: int, batch: int = 2, heads: int = 32, kv_heads: int = 8, dim:
             for _ in range(2))
     rows = {}
     for name in ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-        backends = list(SDPBackend) if name == "default" else [getattr(SDPBackend, name)]
+        backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                     SDPBackend.MATH] if name == "default" else [getattr(SDPBackend, name)])
         try:
             for _ in range(2):  # the second is measured
                 q.grad = k.grad = v.grad = None
@@ -92,6 +93,8 @@ def main(argv=None):
            "max_abs_grad_weight": w0.float().abs().max().item()}
     del hidden, weight, h0, w0, h1, w1
     torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
     if args.attn_seq:
         out["attention"] = attention(args.attn_seq)
     with open(args.out, "w") as f:
