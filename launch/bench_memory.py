@@ -73,7 +73,10 @@ CONFIGS = {
 }
 # "+head": the lean LM-head backward (recipes/lean_lm_head.py), aimed at the 12k floor: TRL's fp32 buffer of the whole
 # LM-head weight gradient. Added to the configurations that led at 12k and at 32k-64k.
+for _n in (2, 3):
+    CONFIGS[f"layer+lean+chunked{_n}+offload"] = {**CONFIGS["layer+lean+chunked4+offload"], "memory.mlp_chunks": str(_n)}
 for _name in ("layer+norm_attn_mlp+offload", "layer+attn+lean+chunked4+offload", "layer+lean+chunked4+offload",
+              "layer+lean+chunked2+offload", "layer+lean+chunked3+offload",
               "layer+attn+lean+chunked8+offload", "layer+lean+chunked8+offload"):
     CONFIGS[_name.replace("+offload", "+head+offload")] = {**CONFIGS[_name], "memory.lean_lm_head": "true"}
 # The leanest 64k configuration with pageable host memory for the offloaded activations: exact sizes instead of pinned

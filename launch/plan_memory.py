@@ -81,7 +81,8 @@ def calibrate() -> dict:
             if row.get("host_pinned_gb") and config.endswith("+offload") and s.offload_pinned:
                 block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
                 pinned.append(row["host_pinned_gb"] * 1e9 / (s.layers * block))
-        factors = [row["peak_reserved_gb"] / row["peak_allocated_gb"] for _, row, _ in items]
+        factors = [(row["peak_reserved_gb"] - resident(s, base)) / (row["peak_allocated_gb"] - resident(s, base))
+                   for s, row, _ in items]
         cal["hidden"] = items[0][0].hidden  # the width the per-token coefficients were measured at
         cal["configs"][config] = {"per_token_bytes": round(num / den, 1),
                                   "reserved_factor": round(sum(factors) / len(factors), 4),
@@ -91,8 +92,16 @@ def calibrate() -> dict:
         s = setup_from_result(env, row)
         if s.allocator_conf and s.config in cal["configs"]:
             unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
-            cal["allocator_factors"][allocator_key(s)] = round(row["peak_reserved_gb"] / unfactored, 4)
+            ratio = (row["peak_reserved_gb"] - resident(s, cal)) / (unfactored - resident(s, cal))
+            cal["allocator_factors"][allocator_key(s)] = round(ratio, 4)
     return cal
+
+
+def resident(s: Setup, cal: dict) -> float:
+    """GB that stay put through a step (model states + reference): the part of the allocation the reserved factor
+    does not scale."""
+    breakdown = predict(s, cal).breakdown
+    return breakdown["model_states"] + breakdown["reference_model"]
 
 
 def main(argv=None) -> int:
