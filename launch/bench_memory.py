@@ -14,6 +14,9 @@ invocation on the same GPU, so ratios are honest.
     # mode (a), per-rank emulation: full 40-layer model, SGD in backward, gradients freed as produced
     python launch/bench_memory.py --mode emulate --seq-tokens 12288,32768,65536 --configs stock,stock+offload,...
 
+    # one table + chart of every committed mode (a) row (the newest of each configuration and length)
+    python launch/bench_memory.py --merge results/summary results/*/results.json results/*/*/results.json
+
 Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (the seed's
 table format) and memory_vs_length.png.
 """
@@ -237,16 +240,19 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in dict.fromkeys(r["config"] for r in results):
+    fig, ax = plt.subplots(figsize=(11, 5))
+    names = list(dict.fromkeys(r["config"] for r in results))
+    colors = plt.get_cmap("tab20")
+    for i, name in enumerate(names):
         pts = [(r["seq_tokens"], r["peak_allocated_gb"]) for r in results
                if r["config"] == name and r.get("peak_allocated_gb") is not None]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
+            ax.plot(*zip(*pts), marker="osD^v<>"[i % 7], color=colors(i % 20), label=name)
     ax.set_xlabel("tokens per sequence")
     ax.set_ylabel("peak allocated (GB)")
     ax.set_title("Peak GPU memory vs sequence length")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -301,9 +307,36 @@ def write_outputs(args, results: list[dict]) -> None:
     plot(results, os.path.join(args.out, "memory_vs_length.png"))
 
 
+def merge(paths: list[str], out: str) -> list[dict]:
+    """One table and chart of many runs' mode (a) rows (GB above the same weights, so they compare), the newest row
+    of each (configuration, length) winning; each row keeps the results file it came from."""
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing or not paths:
+        sys.exit(f"error: --merge needs results.json files written by this benchmark; not found: {missing or 'none given'}")
+    runs = [(path, json.load(open(path))) for path in paths]
+    # one-invocation files only (not an earlier merge), mode (a), oldest first so that the newest row wins
+    runs = sorted(((p, d) for p, d in runs if d["environment"].get("mode") == "emulate"),
+                  key=lambda run: run[1]["environment"]["date"])
+    rows = {}
+    for path, data in runs:
+        for r in data["results"]:
+            rows[(r["config"], r["seq_tokens"])] = {**r, "source": os.path.relpath(path, ROOT)}
+    results = sorted(rows.values(), key=lambda r: (r["seq_tokens"], r["config"]))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"environment": {"merged_from": sorted({r["source"] for r in results})}, "results": results}, f,
+                  indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(render_table(results))
+    plot(results, os.path.join(out, "memory_vs_length.png"))
+    return results
+
+
 def main(argv=None) -> list[dict]:
     from launch.plan_memory import setup_from_result
 
+    if argv is None and sys.argv[1:2] == ["--merge"]:  # python launch/bench_memory.py --merge OUT RESULTS.json ...
+        return merge(sys.argv[3:], sys.argv[2])
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     env = {**environment(args), "matmul_tflops": matmul_tflops()}

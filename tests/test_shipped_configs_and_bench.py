@@ -4,6 +4,8 @@ import glob
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -171,3 +173,23 @@ def test_bench_zero3_mode_on_cpu(tmp_path):
     assert [r["rc"] for r in results] == [0, 0], open(tmp_path / "bench.log").read()  # every run's log tail
     assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)
     assert json.load(open(tmp_path / "results.json"))["environment"]["mode"] == "zero3"
+
+
+def test_merge_of_committed_results(tmp_path):
+    """One table + chart of every committed mode (a) row: the newest run of a (configuration, length) wins, real
+    ZeRO-3 rows (other weights) stay out, a missing file is one clear error."""
+    from launch.bench_memory import merge
+
+    paths = glob.glob(os.path.join(ROOT, "results", "gpu_*", "**", "results.json"), recursive=True)
+    rows = merge(paths, str(tmp_path))
+    by_key = {(r["config"], r["seq_tokens"]): r for r in rows}
+    # 64k stock+offload was measured twice (54.70 s, then 54.27 s the same day): the later run is the row
+    assert by_key[("stock+offload", 65536)]["step_time_s"] == pytest.approx(54.27, abs=0.01)
+    assert by_key[("stock+offload", 65536)]["source"].startswith("results/gpu_2026-12-02_s2_32k_64k")
+    assert all(r.get("weights_gb") is None or r["weights_gb"] > 40 for r in rows)  # no 4-layer ZeRO-3 rows
+    table = open(tmp_path / "results.md").read()
+    assert "| 12288 | attn_mlp | OOM |" in table and table.count("\n") == len(rows) + 2
+    assert os.path.getsize(tmp_path / "memory_vs_length.png") > 1000
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "bench_memory.py"), "--merge", str(tmp_path),
+                           "missing.json"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1 and "not found: ['missing.json']" in proc.stderr
