@@ -29,6 +29,9 @@ results/gpu_2026-12-02_emulate_12k and results/gpu_2026-12-02_snapshot_12k_64k):
        with TRL activation offloading: layer 7.33 / 6.26 s   layer+norm_attn_mlp 5.56 / 6.66 s (best)
        layer+norm_attn + TiledMLP(8) 6.64 / 9.71 s
   64k  with offloading: layer 38.78 / 54.7 s   layer+norm_attn_mlp 29.36 / 61.0 s (best)
+  Later levers (README's headline table): lean norms + the lean LM head + MLP chunks under the plain layer checkpoint
+  reach 3.94 GB / 6.85 s at 12k, 8.43 GB at 32k and 16.79 GB / 59.3 s at 64k; nesting attention then costs ~10% time
+  and saves nothing at 32k-64k.
 Module checkpoints without the layer checkpoint (the seed's DTensor setting) keep every module input of every layer
 and lose badly here; nested inside it they cut the per-layer backward peak (the fp32 norm casts, 2 x 1.0 GB at 12k,
 drop to 0.5 GB). At 12k the peak that remains is one MLP's recomputed intermediates (2.1 GB) and the LM-head /
