@@ -5,7 +5,7 @@
         --deepspeed ds_configs/zero3.json --max_length 65536          # any recipe override works here too
     python launch/plan_memory.py --calibrate                          # refit recipes/planner_calibration.json
 
-Exit status: 0 fits (or no --gpu-memory given), 1 does not fit, 2 bad input.
+Exit status: 0 fits (or no --gpu-memory / --host-memory given), 1 does not fit, 2 bad input.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.js
     for path in sorted(glob.glob(pattern, recursive=True)):
         with open(path) as f:
             data = json.load(f)
+        if "merged_from" in data["environment"]:  # bench_memory.py --merge: copies of rows already read
+            continue
         for row in data["results"]:
             if row.get("peak_allocated_gb") is not None:
                 yield data["environment"], row, os.path.relpath(path, ROOT)
@@ -104,12 +106,21 @@ def resident(s: Setup, cal: dict) -> float:
     return breakdown["model_states"] + breakdown["reference_model"]
 
 
+def _gb(value: str, flag: str) -> float:
+    try:
+        return float(value.upper().removesuffix("GB"))
+    except ValueError:
+        raise RecipeError(f"{flag} {value!r} is not a size; write it in GB, e.g. 80GB.") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 80GB")
+    p.add_argument("--host-memory", default=None, help="host RAM per node, e.g. 1000GB (checks activation and ZeRO "
+                                                        "CPU offload)")
     p.add_argument("--deepspeed", default="ds_configs/zero3.json", help="DeepSpeed JSON ('none': no DeepSpeed)")
     p.add_argument("--calibrate", action="store_true", help="refit recipes/planner_calibration.json from results/")
     args, rest = p.parse_known_args(argv)
@@ -128,8 +139,9 @@ def main(argv=None) -> int:
             from recipes.validate import check_deepspeed_config
 
             ds = check_deepspeed_config(args.deepspeed)
-        memory = None if args.gpu_memory is None else float(args.gpu_memory.upper().removesuffix("GB"))
-        result = plan(recipe, args.gpus, memory, args.nodes, ds)
+        memory, host = (None if v is None else _gb(v, name) for v, name in ((args.gpu_memory, "--gpu-memory"),
+                                                                           (args.host_memory, "--host-memory")))
+        result = plan(recipe, args.gpus, memory, args.nodes, ds, host)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> dict:
             loader = super().get_eval_dataloader(eval_dataset)
             return sp.shard_over_data_parallel_ranks(loader) if sp else loader
 
+        def _track_num_input_tokens(self, inputs):
+            # transformers sums every rank's batch: the K ranks of a sequence-parallel group hold the same pairs
+            before = self.state.num_input_tokens_seen
+            super()._track_num_input_tokens(inputs)
+            if sp:
+                self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sp.k
+
     trainer = RecipeDPOTrainer(
         model=model,
         ref_model=ref_model,

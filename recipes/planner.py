@@ -79,11 +79,15 @@ class Plan:
     host_per_node_gb: float  # pinned activations + ZeRO CPU offload, all ranks of a node
     calibrated_from: str
     gpu_memory_gb: float | None = None
-    suggestions: list = field(default_factory=list)  # (change, predicted reserved GB)
+    host_memory_gb: float | None = None  # per node
+    suggestions: list = field(default_factory=list)  # (change, predicted reserved GB, host GB per node)
 
     @property
     def fits(self) -> bool | None:
-        return None if self.gpu_memory_gb is None else self.peak_reserved_gb <= self.gpu_memory_gb
+        """Both limits that were given hold; None when neither was given."""
+        checks = [used <= limit for used, limit in ((self.peak_reserved_gb, self.gpu_memory_gb),
+                                                    (self.host_per_node_gb, self.host_memory_gb)) if limit is not None]
+        return all(checks) if checks else None
 
 
 def count_params(config) -> tuple[int, int, int]:
@@ -215,6 +219,9 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
 def _candidates(s: Setup):
     if not s.config.endswith("+offload"):
         yield "activation_offloading: true", replace(s, config=s.config + "+offload")
+    elif s.offload_pinned:
+        yield "memory.offload_pin_memory: false (pageable host memory: exact sizes, slower copies)", \
+            replace(s, offload_pinned=False)
     best = "layer+norm_attn_mlp+offload"  # measured best at 12k: 5.56 GB for 1.07x stock's time
     if s.config != best:
         yield "memory.checkpointing: layer+norm_attn_mlp and activation_offloading: true", replace(s, config=best)
@@ -235,21 +242,25 @@ def _candidates(s: Setup):
     yield f"max_length: {s.seq // 2}", replace(s, seq=s.seq // 2)
 
 
-def suggest(s: Setup, gpu_memory_gb: float, cal: dict | None = None) -> list[tuple[str, float]]:
+def suggest(s: Setup, gpu_memory_gb: float | None, cal: dict | None = None,
+            host_memory_gb: float | None = None) -> list[tuple[str, float, float]]:
     cal = cal or load_calibration()
     out = []
     for change, alt in _candidates(s):
-        peak = predict(alt, cal).peak_reserved_gb
-        if peak <= gpu_memory_gb:
-            out.append((change, peak))
+        alt_plan = predict(alt, cal, gpu_memory_gb)
+        alt_plan.host_memory_gb = host_memory_gb
+        if alt_plan.fits:
+            out.append((change, alt_plan.peak_reserved_gb, alt_plan.host_per_node_gb))
     return out
 
 
-def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1, ds_config: dict | None = None) -> Plan:
+def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1, ds_config: dict | None = None,
+         host_memory_gb: float | None = None) -> Plan:
     s = setup_from_recipe(recipe, gpus, nodes, ds_config)
     result = predict(s, gpu_memory_gb=gpu_memory_gb)
+    result.host_memory_gb = host_memory_gb
     if result.fits is False:
-        result.suggestions = suggest(s, gpu_memory_gb)
+        result.suggestions = suggest(s, gpu_memory_gb, host_memory_gb=host_memory_gb)
     return result
 
 
@@ -259,13 +270,16 @@ def render(result: Plan) -> str:
               f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
               f"  {'host memory per node (offloads)':<38} {result.host_per_node_gb:8.1f} GB",
               f"  calibrated from: {result.calibrated_from}"]
-    if result.gpu_memory_gb is not None:
-        verdict = "FITS" if result.fits else "DOES NOT FIT"
-        lines.append(f"  verdict: {verdict} in {result.gpu_memory_gb:g} GB per GPU")
+    for used, limit, where in ((result.peak_reserved_gb, result.gpu_memory_gb, "per GPU"),
+                               (result.host_per_node_gb, result.host_memory_gb, "of host memory per node")):
+        if limit is not None:
+            lines.append(f"  verdict: {'FITS' if used <= limit else 'DOES NOT FIT'} in {limit:g} GB {where}")
     if result.fits is False:
         if result.suggestions:
             lines.append("  changes that would fit (cheapest first):")
-            lines += [f"    - {change}: {peak:.1f} GB" for change, peak in result.suggestions]
+            host = result.host_memory_gb is not None
+            lines += [f"    - {change}: {peak:.1f} GB" + (f", host {host_gb:.0f} GB per node" if host else "")
+                      for change, peak, host_gb in result.suggestions]
         else:
             lines.append("  no single change from this recipe's switches fits; combine them or use more GPUs")
     return "\n".join(lines)

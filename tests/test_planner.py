@@ -93,6 +93,14 @@ def test_cli_verdicts():
     assert too_big.returncode == 1 and "DOES NOT FIT" in too_big.stdout
     fixes = too_big.stdout.split("changes that would fit (cheapest first):\n")[1].splitlines()
     assert fixes and all(line.startswith("    - ") and "activation_offloading: true" in line for line in fixes)
+    # host RAM: 64k offloading pins 40 power-of-two blocks per rank; pageable memory is the first fix that fits
+    host = cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--gpus", "8", "--gpu-memory", "80GB",
+               "--host-memory", "512GB")
+    assert host.returncode == 1 and "FITS in 80 GB per GPU" in host.stdout
+    assert "DOES NOT FIT in 512 GB of host memory per node" in host.stdout
+    first_fix = host.stdout.split("cheapest first):\n")[1].splitlines()[0]
+    assert first_fix.startswith("    - memory.offload_pin_memory: false") and first_fix.endswith("host 430 GB per node")
+    assert cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--host-memory", "2TB").returncode == 2
     bad = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--max_lenght", "5")
     assert bad.returncode == 2 and "Did you mean `max_length`" in bad.stderr
 

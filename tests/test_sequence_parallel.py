@@ -69,7 +69,7 @@ def test_zero3_training_with_sp2_equals_sp1(zero3_runs):
     assert two["sequence_parallel"] == {"sp_size": 2, "dp_size": 1} and two["wrapped"]["lean_lm_head"] == 1
     for a, b in zip(one["train_logs"], two["train_logs"]):
         for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-                    "logps/rejected", "logits/chosen", "entropy", "num_tokens"):
+                    "logps/rejected", "logits/chosen", "entropy", "num_tokens", "num_input_tokens_seen"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     assert one["losses"][-1] < one["losses"][0]
     (ev1,), (ev2,) = one["eval_logs"], two["eval_logs"]  # evaluation sequence-parallel too, over the same pairs
