@@ -15,7 +15,7 @@ invocation on the same GPU, so ratios are honest.
     python launch/bench_memory.py --mode emulate --seq-tokens 12288,32768,65536 --configs stock,stock+offload,...
 
     # one table + chart of every committed mode (a) row (the newest of each configuration and length)
-    python launch/bench_memory.py --merge results/summary results/*/results.json results/*/*/results.json
+    python launch/bench_memory.py --out results/summary --merge results/*/results.json results/*/*/results.json
 
 Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (the seed's
 table format) and memory_vs_length.png.
@@ -281,6 +281,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--snapshot", action="store_true",
                    help="record CUDA memory history for 2 steps and write what holds the peak (analyze_snapshot.py)")
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                   help="run nothing: merge these results.json files' mode (a) rows into one table and chart in --out")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = shlex.join([sys.executable, "launch/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
@@ -338,9 +340,9 @@ def merge(paths: list[str], out: str) -> list[dict]:
 def main(argv=None) -> list[dict]:
     from launch.plan_memory import setup_from_result
 
-    if argv is None and sys.argv[1:2] == ["--merge"]:  # python launch/bench_memory.py --merge OUT RESULTS.json ...
-        return merge(sys.argv[3:], sys.argv[2])
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     os.makedirs(args.out, exist_ok=True)
     env = {**environment(args), "matmul_tflops": matmul_tflops()}
     args.environment = env

@@ -83,8 +83,10 @@ def calibrate() -> dict:
             if row.get("host_pinned_gb") and config.endswith("+offload") and s.offload_pinned:
                 block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
                 pinned.append(row["host_pinned_gb"] * 1e9 / (s.layers * block))
-        factors = [(row["peak_reserved_gb"] - resident(s, base)) / (row["peak_allocated_gb"] - resident(s, base))
-                   for s, row, _ in items]
+        factors = []
+        for s, row, _ in items:
+            fixed = resident(s, base)
+            factors.append((row["peak_reserved_gb"] - fixed) / (row["peak_allocated_gb"] - fixed))
         cal["hidden"] = items[0][0].hidden  # the width the per-token coefficients were measured at
         cal["configs"][config] = {"per_token_bytes": round(num / den, 1),
                                   "reserved_factor": round(sum(factors) / len(factors), 4),
@@ -94,7 +96,8 @@ def calibrate() -> dict:
         s = setup_from_result(env, row)
         if s.allocator_conf and s.config in cal["configs"]:
             unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
-            ratio = (row["peak_reserved_gb"] - resident(s, cal)) / (unfactored - resident(s, cal))
+            fixed = resident(s, cal)
+            ratio = (row["peak_reserved_gb"] - fixed) / (unfactored - fixed)
             cal["allocator_factors"][allocator_key(s)] = round(ratio, 4)
     return cal
 

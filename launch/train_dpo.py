@@ -332,8 +332,8 @@ def _distributed():
 def run() -> int:
     try:
         main()
-        if _distributed():
-            _distributed().barrier()  # no rank tears the process group down while another still uses it
+        if dist := _distributed():
+            dist.barrier()  # no rank tears the process group down while another still uses it
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -341,8 +341,8 @@ def run() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     finally:
-        if _distributed():
-            _distributed().destroy_process_group()
+        if dist := _distributed():
+            dist.destroy_process_group()
     return 0
 
 

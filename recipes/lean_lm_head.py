@@ -47,7 +47,7 @@ class LeanLMHeadLogProb(trl_kernel.ChunkedLogProbFunction):
                 end = min(start + width, vocab)
                 w_chunk = weight[start:end].to(dtype)
                 acc = weight_acc[: end - start].zero_()
-                bias_acc = torch.zeros(end - start, device=device, dtype=torch.float32)
+                bias_acc = torch.zeros(end - start, device=device, dtype=torch.float32) if needs_bias else None
                 for t0 in range(0, n_tokens, token_chunk):
                     t1 = min(t0 + token_chunk, n_tokens)
                     hidden_chunk = hidden[t0:t1].to(dtype)

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import os
+import re
 from dataclasses import dataclass, field, replace
 
 from .config import REPO_ROOT, Recipe
@@ -82,11 +82,17 @@ class Plan:
     host_memory_gb: float | None = None  # per node
     suggestions: list = field(default_factory=list)  # (change, predicted reserved GB, host GB per node)
 
+    def limits(self):
+        """(predicted, limit, where) for each limit that was given."""
+        for used, limit, where in ((self.peak_reserved_gb, self.gpu_memory_gb, "per GPU"),
+                                   (self.host_per_node_gb, self.host_memory_gb, "of host memory per node")):
+            if limit is not None:
+                yield used, limit, where
+
     @property
     def fits(self) -> bool | None:
-        """Both limits that were given hold; None when neither was given."""
-        checks = [used <= limit for used, limit in ((self.peak_reserved_gb, self.gpu_memory_gb),
-                                                    (self.host_per_node_gb, self.host_memory_gb)) if limit is not None]
+        """Every limit that was given holds; None when none was given."""
+        checks = [used <= limit for used, limit, _ in self.limits()]
         return all(checks) if checks else None
 
 
@@ -156,7 +162,8 @@ def _coefficients(config: str, cal: dict) -> tuple[dict, str]:
     return configs[fallback], f"{fallback} (no measurement of {config})"
 
 
-def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = None) -> Plan:
+def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = None,
+            host_memory_gb: float | None = None) -> Plan:
     cal = cal or load_calibration()
     coef, source = _coefficients(s.config, cal)
     p, r = s.params, s.ranks
@@ -192,7 +199,8 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
         source += f"; sequence parallel {s.sp}: per-rank tokens / {s.sp} (Ulysses all-to-all buffers not calibrated)"
     return Plan(breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
                 peak_allocated_gb=round(allocated / GB, 2), peak_reserved_gb=round(reserved / GB, 2),
-                host_per_node_gb=round(host / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb)
+                host_per_node_gb=round(host / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb,
+                host_memory_gb=host_memory_gb)
 
 
 def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict | None = None) -> Setup:
@@ -247,8 +255,7 @@ def suggest(s: Setup, gpu_memory_gb: float | None, cal: dict | None = None,
     cal = cal or load_calibration()
     out = []
     for change, alt in _candidates(s):
-        alt_plan = predict(alt, cal, gpu_memory_gb)
-        alt_plan.host_memory_gb = host_memory_gb
+        alt_plan = predict(alt, cal, gpu_memory_gb, host_memory_gb)
         if alt_plan.fits:
             out.append((change, alt_plan.peak_reserved_gb, alt_plan.host_per_node_gb))
     return out
@@ -257,8 +264,7 @@ def suggest(s: Setup, gpu_memory_gb: float | None, cal: dict | None = None,
 def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1, ds_config: dict | None = None,
          host_memory_gb: float | None = None) -> Plan:
     s = setup_from_recipe(recipe, gpus, nodes, ds_config)
-    result = predict(s, gpu_memory_gb=gpu_memory_gb)
-    result.host_memory_gb = host_memory_gb
+    result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
     if result.fits is False:
         result.suggestions = suggest(s, gpu_memory_gb, host_memory_gb=host_memory_gb)
     return result
@@ -270,10 +276,8 @@ def render(result: Plan) -> str:
               f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
               f"  {'host memory per node (offloads)':<38} {result.host_per_node_gb:8.1f} GB",
               f"  calibrated from: {result.calibrated_from}"]
-    for used, limit, where in ((result.peak_reserved_gb, result.gpu_memory_gb, "per GPU"),
-                               (result.host_per_node_gb, result.host_memory_gb, "of host memory per node")):
-        if limit is not None:
-            lines.append(f"  verdict: {'FITS' if used <= limit else 'DOES NOT FIT'} in {limit:g} GB {where}")
+    for used, limit, where in result.limits():
+        lines.append(f"  verdict: {'FITS' if used <= limit else 'DOES NOT FIT'} in {limit:g} GB {where}")
     if result.fits is False:
         if result.suggestions:
             lines.append("  changes that would fit (cheapest first):")

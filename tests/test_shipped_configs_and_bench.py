@@ -190,6 +190,6 @@ def test_merge_of_committed_results(tmp_path):
     table = open(tmp_path / "results.md").read()
     assert "| 12288 | attn_mlp | OOM |" in table and table.count("\n") == len(rows) + 2
     assert os.path.getsize(tmp_path / "memory_vs_length.png") > 1000
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "bench_memory.py"), "--merge", str(tmp_path),
-                           "missing.json"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "bench_memory.py"), "--out", str(tmp_path),
+                           "--merge", "missing.json"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and "not found: ['missing.json']" in proc.stderr
