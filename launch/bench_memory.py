@@ -28,12 +28,13 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from recipes.distributed import run_job  # noqa: E402
 
 # Neutral memory settings every configuration starts from, then its own switches on top.
 BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
@@ -141,7 +142,7 @@ def run_one(args, name: str, seq: int) -> dict:
     out_dir = os.path.join(args.out, "runs", f"{name}_{seq}".replace("+", "-"))
     cmd = build_command(args, name, seq, out_dir)
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    proc = run_job(cmd, args.timeout, cwd=ROOT)  # a run past --timeout is killed whole and recorded as rc 124
     log = proc.stdout + proc.stderr
     with open(os.path.join(args.out, "bench.log"), "a") as f:
         f.write(f"\n===== {name} @ {seq} (rc={proc.returncode})\n$ {shlex.join(cmd)}\n{log[-4000:]}\n")
@@ -227,7 +228,7 @@ def render_table(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
-            status = "OOM" if r["oom"] else f"failed (rc {r['rc']})"
+            status = "OOM" if r["oom"] else "timed out" if r["rc"] == 124 else f"failed (rc {r['rc']})"
             lines.append(f"| {r['seq_tokens']} | {r['config']} | {status} | | | | | | | | |")
             continue
         lines.append(f"| {r['seq_tokens']} | {r['config']} | {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "

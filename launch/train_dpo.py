@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     from recipes.data import length_report, load_preferences, load_train_data
-    from recipes.distributed import teach_accelerate_cpu_gloo
+    from recipes.distributed import skip_cpu_shm_allreduce, teach_accelerate_cpu_gloo
     from recipes.emulation import local_parameters, parameter_bytes, sgd_in_backward
     from recipes.modeling import build_model, load_architecture, load_tokenizer
 
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     if memory.sgd_in_backward:  # the update happens in backward; the Trainer's SGD then finds no gradients
         trainer_kwargs.update(optim="sgd", max_grad_norm=0.0)
     teach_accelerate_cpu_gloo()
+    skip_cpu_shm_allreduce()
     args = DPOConfig(**trainer_kwargs)  # with `deepspeed` set this starts the process group
     is_main = args.process_index == 0
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO if is_main else logging.WARNING)

@@ -1,4 +1,5 @@
-"""Multi-process runs on a CPU-only machine (the CPU test path of DeepSpeed ZeRO-3 over gloo).
+"""Multi-process runs on a CPU-only machine (the CPU test path of DeepSpeed ZeRO-3 over gloo), and launching a
+multi-process job so that a timeout leaves none of its processes behind.
 
 accelerate 1.16 picks a distributed backend from the detected accelerator; on a CPU-only box it detects none, so
 under the `deepspeed` launcher (LOCAL_RANK set, no --use_cpu) every rank silently runs as a single process with a
@@ -9,6 +10,8 @@ so we tell its backend detection: device `cpu`, backend `gloo`. A no-op whenever
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 
 
 def teach_accelerate_cpu_gloo() -> bool:
@@ -31,3 +34,37 @@ def teach_accelerate_cpu_gloo() -> bool:
     detect_with_cpu._recipes_cpu = True
     state.get_torch_accelerator_backend = detect_with_cpu
     return True
+
+
+def skip_cpu_shm_allreduce() -> bool:
+    """Keep DeepSpeed from building its CPU shared-memory allreduce at `init_distributed` (a no-op on a GPU).
+
+    ZeRO-3 training never calls it (only DeepSpeed inference's `inference_all_reduce` does), and it costs three
+    ways: a g++ build at every first init; a file lock in ~/.cache/torch_extensions held during each load, which a
+    rank killed mid-load leaves behind, so that every later DeepSpeed process on the machine waits on it forever
+    (this hung CI); and a 66 MB /dev/shm segment per rank that is never unlinked, so each run leaked RAM until the
+    24 GB test box had 3 GB left. DeepSpeed reads which ops it may build from one table, `__compatible_ops__`."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    return True
+
+
+def run_job(cmd: list[str], timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run` in a process group of its own. On timeout every process of the job is killed (a launcher's
+    ranks too, which would otherwise live on holding ports, memory and file locks) and the return code is 124,
+    with the output so far."""
+    popen_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen_kwargs}
+    with subprocess.Popen(cmd, start_new_session=True, **popen_kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            return subprocess.CompletedProcess(cmd, 124, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

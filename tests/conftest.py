@@ -12,6 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from recipes.distributed import run_job  # noqa: E402  (a timed-out launch leaves no rank behind)
+
 BIN = os.path.dirname(sys.executable)
 TINY = os.path.join(ROOT, "recipes", "tiny_mistral", "dpo_quickstart.yaml")
 TRAIN = os.path.join(ROOT, "launch", "train_dpo.py")
@@ -41,8 +43,7 @@ def run_train(out_dir, *overrides: str, launcher: str = "python", procs: int = 1
         raise ValueError(launcher)
     full_env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
+    proc = run_job(cmd, 600, cwd=ROOT, env=full_env, stderr=subprocess.STDOUT)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc

@@ -12,6 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes.config import ModelArgs  # noqa: E402
+from recipes.distributed import skip_cpu_shm_allreduce  # noqa: E402
 from recipes.modeling import build_byte_tokenizer, build_model  # noqa: E402
 from recipes.sequence_parallel import SequenceParallel  # noqa: E402
 
@@ -33,6 +34,7 @@ def loss_metrics_grads(trainer, inputs):
 
 
 def main():
+    skip_cpu_shm_allreduce()  # as train_dpo does on CPU
     dist.init_process_group("gloo")
     from trl import DPOConfig, DPOTrainer
 

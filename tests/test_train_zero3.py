@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-3 on CPU over gloo, launched as users launch it: the `deepspeed` launcher and `accelerate launch`."""
 
+import glob
 import json
 import math
 import os
@@ -20,10 +21,17 @@ def ds1(tmp_path_factory):
     return out
 
 
+def shm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+
+
 @pytest.fixture(scope="module")
 def ds2(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds2")
-    run_train(out, *STEPS, "--per_device_train_batch_size", "2", launcher="deepspeed", procs=2)
+    before = shm_segments()
+    proc = run_train(out, *STEPS, "--per_device_train_batch_size", "2", launcher="deepspeed", procs=2)
+    (out / "launch.log").write_text(proc.stdout)
+    (out / "shm_left.json").write_text(json.dumps(sorted(shm_segments() - before)))
     return out
 
 
@@ -32,6 +40,13 @@ def test_two_process_curve_matches_one_process(ds1, ds2):
     assert abs(one[0] - math.log(2)) < 1e-4 and abs(two[0] - math.log(2)) < 1e-4
     assert two == pytest.approx(one, abs=1e-5)
     assert one[-1] < one[0]
+
+
+def test_no_shared_memory_allreduce_built_or_left_in_dev_shm(ds2):
+    """DeepSpeed's CPU shm allreduce (unused by training) took a build lock that hung CI once a rank died holding
+    it, and leaked 66 MB of /dev/shm per rank per run (recipes/distributed.skip_cpu_shm_allreduce)."""
+    assert "deepspeed_shm_comm_op built successfully" not in (ds2 / "launch.log").read_text()
+    assert json.loads((ds2 / "shm_left.json").read_text()) == []
 
 
 def test_parameters_really_partitioned(ds1, ds2):
