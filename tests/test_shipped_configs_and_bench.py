@@ -140,6 +140,16 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     assert os.path.getsize(tmp_path / "memory_vs_length.png") > 1000
 
 
+def test_bench_run_past_its_timeout_is_a_row_not_a_crash(tmp_path):
+    """A configuration that overruns --timeout is killed whole and recorded; the benchmark goes on to the next."""
+    from launch.bench_memory import main
+
+    results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "emulate", "--seq-tokens",
+                    "48", "--steps", "2", "--configs", "stock,stock+offload", "--timeout", "1", "--out", str(tmp_path)])
+    assert [r["rc"] for r in results] == [124, 124]
+    assert (tmp_path / "results.md").read_text().count("| timed out |") == 2
+
+
 def test_model_flops_and_mfu_by_hand():
     from launch.bench_memory import add_mfu
     from recipes.planner import Setup, model_flops_per_step
