@@ -18,6 +18,8 @@ BIN = os.path.dirname(sys.executable)
 TINY = os.path.join(ROOT, "recipes", "tiny_mistral", "dpo_quickstart.yaml")
 TRAIN = os.path.join(ROOT, "launch", "train_dpo.py")
 ZERO3 = os.path.join(ROOT, "ds_configs", "zero3.json")
+# one tiny run takes under a minute on a 2-core box; a hung one is killed whole at this, not at CI's limit
+RUN_TIMEOUT_S = 300
 
 
 def free_port() -> int:
@@ -43,7 +45,7 @@ def run_train(out_dir, *overrides: str, launcher: str = "python", procs: int = 1
         raise ValueError(launcher)
     full_env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = run_job(cmd, 600, cwd=ROOT, env=full_env, stderr=subprocess.STDOUT)
+    proc = run_job(cmd, RUN_TIMEOUT_S, cwd=ROOT, env=full_env, stderr=subprocess.STDOUT)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc

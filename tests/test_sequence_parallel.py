@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import BIN, ROOT, free_port, run_job, run_train, summary
+from conftest import BIN, ROOT, RUN_TIMEOUT_S, free_port, run_job, run_train, summary
 
 from recipes.config import RecipeError
 from recipes.sequence_parallel import check_sequence_parallel
@@ -20,7 +20,7 @@ def worker(tmp_path_factory):
     cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(ROOT, "tests", "sp_worker.py")]
     env = {**os.environ, "SP_OUT": str(out), "OMP_NUM_THREADS": "1", "PATH": BIN + os.pathsep + os.environ["PATH"]}
-    proc = run_job(cmd, 600, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
+    proc = run_job(cmd, RUN_TIMEOUT_S, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 

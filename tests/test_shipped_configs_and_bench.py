@@ -173,13 +173,13 @@ def test_model_flops_and_mfu_by_hand():
 def test_bench_zero3_mode_on_cpu(tmp_path):
     """Mode (b) as the seed's 8-GPU setting runs it (deepspeed launcher, ZeRO-3, one pair per rank per step),
     here with 2 CPU processes over gloo."""
-    from conftest import free_port
+    from conftest import RUN_TIMEOUT_S, free_port
 
     from launch.bench_memory import main
 
     results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "zero3", "--gpus", "2",
-                    "--port", str(free_port()), "--seq-tokens", "48", "--steps", "2", "--prompt-tokens", "8",
-                    "--configs", "stock,layer+norm_attn_mlp", "--out", str(tmp_path)])
+                    "--port", str(free_port()), "--timeout", str(RUN_TIMEOUT_S), "--seq-tokens", "48", "--steps", "2",
+                    "--prompt-tokens", "8", "--configs", "stock,layer+norm_attn_mlp", "--out", str(tmp_path)])
     assert [r["rc"] for r in results] == [0, 0], open(tmp_path / "bench.log").read()  # every run's log tail
     assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)
     assert json.load(open(tmp_path / "results.json"))["environment"]["mode"] == "zero3"
