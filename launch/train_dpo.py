@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
     prediction = preflight(recipe, world_size, enforce=cli["preflight"])
+    from recipes.distributed import stale_build_locks
+
+    if int(os.environ.get("RANK", 0)) == 0:
+        for lock in stale_build_locks():
+            logger.warning("stale build lock %s (over 30 min old): if DeepSpeed's start hangs here, delete it", lock)
 
     from trl import DPOConfig, DPOTrainer
 

@@ -9,9 +9,11 @@ so we tell its backend detection: device `cpu`, backend `gloo`. A no-op whenever
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
+import time
 
 
 def teach_accelerate_cpu_gloo() -> bool:
@@ -53,6 +55,16 @@ def skip_cpu_shm_allreduce() -> bool:
 
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     return True
+
+
+def stale_build_locks(max_age_s: float = 1800) -> list[str]:
+    """Lock files of torch's extension builds (DeepSpeed JIT ops) older than any build takes. torch holds one while a
+    process builds or loads an op; a process killed meanwhile leaves it, and later processes then wait on it forever
+    at DeepSpeed's start. Deleting it is the fix."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    now = time.time()
+    return sorted(p for p in glob.glob(os.path.join(root, "**", "lock"), recursive=True)
+                  if now - os.path.getmtime(p) > max_age_s)
 
 
 def run_job(cmd: list[str], timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:

@@ -1,11 +1,14 @@
-"""recipes/distributed.py: no DeepSpeed shared-memory op on CPU, and a timed-out job leaves no process behind."""
+"""recipes/distributed.py: no DeepSpeed shared-memory op on CPU, a timed-out job leaves no process behind, a stale
+build lock is named at start."""
 
+import os
 import time
 
 import pytest
 import torch
+from conftest import run_train
 
-from recipes.distributed import run_job, skip_cpu_shm_allreduce
+from recipes.distributed import run_job, skip_cpu_shm_allreduce, stale_build_locks
 
 
 def _running(pid: int) -> bool:
@@ -39,3 +42,19 @@ def test_deepspeed_builds_no_shared_memory_allreduce_on_cpu():
 
     assert skip_cpu_shm_allreduce()
     assert build_shm_op() is None  # what DeepSpeed's TorchBackend calls at init_distributed
+
+
+def test_a_stale_build_lock_is_named_before_deepspeed_starts(tmp_path):
+    """A lock left by a process killed mid-build makes every later DeepSpeed start wait forever: say which file."""
+    fresh, stale = tmp_path / "ext" / "op_a" / "lock", tmp_path / "ext" / "op_b" / "lock"
+    for lock in (fresh, stale):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", env["TORCH_EXTENSIONS_DIR"])
+        assert stale_build_locks() == [str(stale)]  # a fresh lock may be a build in progress
+    proc = run_train(tmp_path / "run", "--max_steps", "1", "--report_to", "none", env=env)
+    assert f"stale build lock {stale}" in proc.stdout and str(fresh) not in proc.stdout
