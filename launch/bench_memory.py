@@ -304,13 +304,14 @@ def _attn_width(args) -> int:
     return arch.num_attention_heads * (getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads)
 
 
-def write_outputs(args, results: list[dict]) -> None:
-    """Rewritten after every run, so a benchmark stopped half-way keeps what it measured."""
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"environment": args.environment, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+def write_outputs(out: str, environment: dict, results: list[dict]) -> None:
+    """results.json, results.md and the chart; a benchmark rewrites them after every run, so one stopped half-way
+    keeps what it measured."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"environment": environment, "results": results}, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
         f.write(render_table(results))
-    plot(results, os.path.join(args.out, "memory_vs_length.png"))
+    plot(results, os.path.join(out, "memory_vs_length.png"))
 
 
 def merge(paths: list[str], out: str) -> list[dict]:
@@ -329,12 +330,7 @@ def merge(paths: list[str], out: str) -> list[dict]:
             rows[(r["config"], r["seq_tokens"])] = {**r, "source": os.path.relpath(path, ROOT)}
     results = sorted(rows.values(), key=lambda r: (r["seq_tokens"], r["config"]))
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"environment": {"merged_from": sorted({r["source"] for r in results})}, "results": results}, f,
-                  indent=1)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(render_table(results))
-    plot(results, os.path.join(out, "memory_vs_length.png"))
+    write_outputs(out, {"merged_from": sorted({r["source"] for r in results})}, results)
     return results
 
 
@@ -346,7 +342,6 @@ def main(argv=None) -> list[dict]:
         return merge(args.merge, args.out)
     os.makedirs(args.out, exist_ok=True)
     env = {**environment(args), "matmul_tflops": matmul_tflops()}
-    args.environment = env
     attn_width = _attn_width(args)
     results = []
     for seq in [int(s) for s in args.seq_tokens.split(",")]:
@@ -356,7 +351,7 @@ def main(argv=None) -> list[dict]:
             add_mfu(results[-1], env, (setup, attn_width))
             print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "rc", "above_weights_gb",
                                                                   "peak_reserved_gb", "step_time_s")}), flush=True)
-            write_outputs(args, results)
+            write_outputs(args.out, env, results)
     return results
 
 
