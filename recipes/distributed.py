@@ -1,5 +1,5 @@
-"""Multi-process runs on a CPU-only machine (the CPU test path of DeepSpeed ZeRO-3 over gloo), and launching a
-multi-process job so that a timeout leaves none of its processes behind.
+"""Multi-process runs on a CPU-only machine (the CPU test path of DeepSpeed ZeRO-3 over gloo); launching a
+multi-process job so that a timeout leaves none of its processes behind; naming stale JIT-build locks.
 
 accelerate 1.16 picks a distributed backend from the detected accelerator; on a CPU-only box it detects none, so
 under the `deepspeed` launcher (LOCAL_RANK set, no --use_cpu) every rank silently runs as a single process with a
@@ -61,7 +61,9 @@ def stale_build_locks(max_age_s: float = 1800) -> list[str]:
     """Lock files of torch's extension builds (DeepSpeed JIT ops) older than any build takes. torch holds one while a
     process builds or loads an op; a process killed meanwhile leaves it, and later processes then wait on it forever
     at DeepSpeed's start. Deleting it is the fix."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # where torch builds them
     now = time.time()
     return sorted(p for p in glob.glob(os.path.join(root, "**", "lock"), recursive=True)
                   if now - os.path.getmtime(p) > max_age_s)
