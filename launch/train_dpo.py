@@ -355,9 +355,10 @@ def run() -> int:
 if __name__ == "__main__":
     code = run()
     # End as Python's forked multiprocessing workers do: flush, then os._exit, skipping the interpreter's teardown.
-    # There, after a finished run and destroy_process_group, a gloo thread was now and then destroyed still joinable
-    # ("terminate called without an active exception", SIGABRT, the launcher's rc 250; seen twice in 2-process CPU
-    # test runs, sessions 3 and 4). Every output is already written and closed by now.
+    # After destroy_process_group, gloo process groups that DeepSpeed and accelerate still reference keep their worker
+    # threads (4 pt_gloo_runloop + 2 gloo_tcp_loop per rank, counted on CPU); torn down with the interpreter, one was
+    # now and then destroyed still joinable ("terminate called without an active exception", SIGABRT, the launcher's
+    # rc 250 after a finished run; twice in 2-process CPU tests). Every output is already written and closed here.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
