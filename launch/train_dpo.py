@@ -21,6 +21,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# TRL's trainers send a usage ping to huggingface.co from a background thread; training needs no network, so none
+# unless the user asks for it (HF_HUB_DISABLE_TELEMETRY=0). huggingface_hub reads this once, at import.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from recipes import allocator  # noqa: E402
 from recipes.config import RecipeError, parse_overrides, read_memory_section  # noqa: E402

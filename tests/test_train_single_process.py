@@ -116,3 +116,21 @@ def test_local_model_directory_and_conversational_data(tmp_path, tiny_model_dir)
     s = summary(out)
     assert abs(s["losses"][0] - math.log(2)) < 1e-4
     assert s["length_report"]["pairs"] == 8
+
+
+
+def test_the_entrypoint_sends_no_usage_ping():
+    """TRL's trainers ping huggingface.co from a thread unless huggingface_hub's telemetry switch is off; the
+    entrypoint turns it off, and a user's own setting wins."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_TELEMETRY", "HF_HUB_OFFLINE")}
+    probe = "import launch.train_dpo; from huggingface_hub import constants; print(constants.HF_HUB_DISABLE_TELEMETRY)"
+    for setting, expected in ((None, "True"), ("0", "False")):
+        run_env = env if setting is None else {**env, "HF_HUB_DISABLE_TELEMETRY": setting}
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=run_env, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == expected, setting
