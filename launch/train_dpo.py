@@ -355,14 +355,18 @@ def run() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = run()
-    # End as Python's forked multiprocessing workers do: flush, then os._exit, skipping the interpreter's teardown.
-    # After destroy_process_group, gloo process groups that DeepSpeed and accelerate still reference keep their worker
-    # threads (4 pt_gloo_runloop + 2 gloo_tcp_loop per rank, counted on CPU); torn down with the interpreter, one was
-    # now and then destroyed still joinable ("terminate called without an active exception", SIGABRT, the launcher's
-    # rc 250 after a finished run; twice in 2-process CPU tests). Every output is already written and closed here.
+def exit_now(code: int) -> None:
+    """End as Python's forked multiprocessing workers do: flush, then os._exit, skipping the interpreter's teardown.
+
+    After destroy_process_group, gloo process groups that DeepSpeed and accelerate still reference keep their worker
+    threads (4 pt_gloo_runloop + 2 gloo_tcp_loop per rank, counted on CPU); torn down with the interpreter, one was
+    now and then destroyed still joinable ("terminate called without an active exception", SIGABRT, the launcher's
+    rc 250 after a finished run; twice in 2-process CPU tests). Every output is already written and closed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(run())
