@@ -4,10 +4,12 @@ import glob
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import run_train, summary
+from conftest import ROOT, run_train, summary
 
 STEPS = 6
 
@@ -118,15 +120,9 @@ def test_local_model_directory_and_conversational_data(tmp_path, tiny_model_dir)
     assert s["length_report"]["pairs"] == 8
 
 
-
 def test_the_entrypoint_sends_no_usage_ping():
     """TRL's trainers ping huggingface.co from a thread unless huggingface_hub's telemetry switch is off; the
     entrypoint turns it off, and a user's own setting wins."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_DISABLE_TELEMETRY", "HF_HUB_OFFLINE")}
     probe = "import launch.train_dpo; from huggingface_hub import constants; print(constants.HF_HUB_DISABLE_TELEMETRY)"
     for setting, expected in ((None, "True"), ("0", "False")):
