@@ -191,10 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         callbacks=[memory_callback],
     )
-    if args.activation_offloading and not memory.offload_pin_memory:  # TRL's own offloader, pageable host memory
-        from trl.models import get_act_offloading_ctx_manager
+    if args.activation_offloading:  # TRL's offloader, kept away from ZeRO-3 parameters, pinned or pageable
+        from recipes.offloading import offload_context
 
-        trainer.maybe_activation_offload_context = get_act_offloading_ctx_manager(trainer.model, use_pin_memory=False)
+        trainer.maybe_activation_offload_context = offload_context(trainer.model, memory.offload_pin_memory)
+        memory_callback.offload_ledger = trainer.maybe_activation_offload_context.ledger
     if sp:
         sp.wrap(trainer.model)  # TRL's fused-LM-head forwards, policy and reference
         sp.wrap(trainer.ref_model)

@@ -60,6 +60,8 @@ class MemoryCallback(TrainerCallback):
         self._step_start = 0.0
         self._tokens_at_start = 0
         self._snapshotting = False
+        self.offload_ledger = None  # recipes/offloading.Ledger when activations are offloaded
+        self._phase_peaks = None  # [allocated, reserved] peaks before the optimizer step, then during it
 
     # -- helpers -------------------------------------------------------------------------------------------------
     @staticmethod
@@ -90,9 +92,34 @@ class MemoryCallback(TrainerCallback):
             if self.allocator.get("verified") is False:
                 logger.warning("allocator max_split_size does not match memory.allocator_conf: the setting did not "
                                "reach the allocator (was CUDA initialised before the entrypoint ran?)")
+            self._watch_optimizer_step(kwargs.get("optimizer"))
             if self.memory.snapshot_steps:
                 torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
                 self._snapshotting = True
+
+    def _watch_optimizer_step(self, optimizer) -> None:
+        """Split each step's peak into the forward/backward part and the optimizer step's. Under DeepSpeed the real
+        step runs inside accelerate's backward (the Trainer's optimizer.step() is a no-op wrapper), so the callbacks'
+        optimizer events cannot separate them: the innermost optimizer's step is wrapped instead."""
+        inner = optimizer
+        while hasattr(inner, "optimizer"):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> ...
+            if hasattr(inner, "step") and type(inner).__module__.startswith("deepspeed"):
+                break
+            inner = inner.optimizer
+        if inner is None or not hasattr(inner, "step"):
+            return
+        step = inner.step
+
+        def measured_step(*a, **k):
+            before = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                return step(*a, **k)
+            finally:
+                during = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+                self._phase_peaks = (before, during)
+
+        inner.step = measured_step
 
     def on_step_begin(self, args, state, control, **kwargs):
         # Fault injection for the OOM path's test (a real OOM cannot be provoked on a CPU-only machine).
@@ -104,6 +131,7 @@ class MemoryCallback(TrainerCallback):
                 torch.cuda.reset_peak_host_memory_stats()
         self._tokens_at_start = state.num_input_tokens_seen
         self._step_start = time.perf_counter()
+        self._phase_peaks = None
 
     def _microbatch_done(self):
         self._microbatches += 1
@@ -125,11 +153,15 @@ class MemoryCallback(TrainerCallback):
             stats = torch.cuda.memory_stats()
             peak_alloc = stats.get("allocated_bytes.all.peak", 0) / GB
             peak_res = stats.get("reserved_bytes.all.peak", 0) / GB
+            if self._phase_peaks is not None:  # the counters restarted at the optimizer step
+                peak_alloc = max(peak_alloc, self._phase_peaks[0][0] / GB)
+                peak_res = max(peak_res, self._phase_peaks[0][1] / GB)
             retries, ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
         values = [peak_alloc, peak_res, peak_res - peak_alloc, retries, ooms, rss, pinned or 0.0, elapsed]
         reduced = dict(zip(_REDUCED, self._max_over_ranks(values)))
         tokens = state.num_input_tokens_seen - self._tokens_at_start  # gathered over ranks by the Trainer
         record = {"step": state.global_step, **{k: round(v, 4) for k, v in reduced.items()},
+                  **self._split_peaks(), **self._offloaded(),
                   "tokens": tokens, "tokens_per_s": round(tokens / reduced["step_time_s"], 1),
                   "weights_gb": round(self.weights_gb, 4) if self.weights_gb is not None else None,
                   "allocator_conf": self.allocator["allocator_conf"], "cuda": self._cuda()}
@@ -146,6 +178,23 @@ class MemoryCallback(TrainerCallback):
         n = self.memory.empty_cache_steps
         if n and state.global_step % n == 0:
             empty_cache()
+
+    def _split_peaks(self) -> dict:
+        """The step's peaks before the optimizer step (forward/backward) and during it, max over ranks."""
+        if self._phase_peaks is None:
+            return {}
+        (alloc_before, res_before), (alloc_during, res_during) = self._phase_peaks
+        values = self._max_over_ranks([alloc_before / GB, res_before / GB, alloc_during / GB, res_during / GB])
+        keys = ("activation_peak_allocated_gb", "activation_peak_reserved_gb",
+                "optimizer_peak_allocated_gb", "optimizer_peak_reserved_gb")
+        return {k: round(v, 4) for k, v in zip(keys, values)}
+
+    def _offloaded(self) -> dict:
+        """What activation offloading copied to the host this step (recipes/offloading.py), on this rank."""
+        if self.offload_ledger is None:
+            return {}
+        sent, param_shaped = self.offload_ledger.take()
+        return {"offloaded_gb": round(sent / GB, 4), "offloaded_param_shaped": int(param_shaped)}
 
     def _dump_snapshot(self, args, state):
         rank = int(os.environ.get("RANK", 0))

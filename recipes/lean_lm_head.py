@@ -11,6 +11,15 @@ so the FLOPs are TRL's, every weight-gradient row is summed in fp32 in the same 
 gradient stays an fp32 accumulation over vocabulary chunks, as in TRL.
 
 Only the backward changes; the class is a subclass of TRL's, swapped in for TRL's fused forward by `routed()`.
+
+Both heads (TRL's as shipped and the lean one) run here as `HookSafeLogProb`: TRL's forward and backward, with the
+LM-head weight and bias kept on `ctx` instead of in the saved tensors. What was broken: under DeepSpeed ZeRO-3 with
+`activation_offloading`, the forward runs under saved-tensor hooks, and a tensor saved through hooks comes back as a
+new plain tensor aliasing whatever the parameter held at unpack time (under ZeRO-3: an empty partition), without the
+`ds_status` / `ds_id` attributes that TRL's backward needs to gather the weight again. Seen as `AttributeError:
+'Tensor' object has no attribute 'ds_status'` in `maybe_gather_lm_head_ctx` at the first backward (TRL 1.16, one
+H200, the deepspeed launcher). Kept on `ctx`, the backward gets the parameter itself, as autograd gives it without
+hooks, and gathers it; the hooks never see the head's weight.
 """
 
 from __future__ import annotations
@@ -25,12 +34,39 @@ from trl.kernels import chunked_logprob as trl_kernel
 VOCAB_CHUNK = 8192
 
 
-class LeanLMHeadLogProb(trl_kernel.ChunkedLogProbFunction):
+class HookSafeLogProb(trl_kernel.ChunkedLogProbFunction):
+    """TRL's fused LM head, its weight and bias held on `ctx` rather than saved through saved-tensor hooks."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, *args):
+        ctx.head_params = (weight, bias)
+        save = ctx.save_for_backward  # TRL's forward saves (hidden, weight, bias, targets, log_z, entropy)
+        ctx.save_for_backward = lambda h, _weight, _bias, *rest: save(h, None, None, *rest)
+        return trl_kernel.ChunkedLogProbFunction.forward(ctx, hidden, weight, bias, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return trl_kernel.ChunkedLogProbFunction.backward(_WithHeadParams(ctx), *grads)
+
+
+class _WithHeadParams:
+    """`ctx` as TRL's backward reads it: saved_tensors with the head's parameters put back in their places."""
+
+    def __init__(self, ctx):
+        hidden, _, _, *rest = ctx.saved_tensors
+        self.saved_tensors = (hidden, *ctx.head_params, *rest)
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+class LeanLMHeadLogProb(HookSafeLogProb):
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_):
         from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-        hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, log_z, entropy = _WithHeadParams(ctx).saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         n_tokens, token_chunk = hidden.shape[0], trl_kernel.TOKEN_CHUNK_SIZE
         dtype, device = ctx.compute_dtype, hidden.device
@@ -89,13 +125,13 @@ def _logit_grad(ctx, tile, targets, log_z, entropy, grad_logprobs, grad_entropy,
 
 
 @contextlib.contextmanager
-def routed(enabled: bool = True):
-    """Inside this block TRL's fused LM head (trl.trainer.utils) runs the lean backward, for every model."""
+def routed(lean: bool = True):
+    """Inside this block TRL's fused LM head (trl.trainer.utils) runs as `HookSafeLogProb`, with the lean backward
+    when `lean`, for every model."""
     import trl.trainer.utils as trl_utils
 
     previous = trl_utils._ChunkedLogProbFunction
-    if enabled:
-        trl_utils._ChunkedLogProbFunction = LeanLMHeadLogProb
+    trl_utils._ChunkedLogProbFunction = LeanLMHeadLogProb if lean else HookSafeLogProb
     try:
         yield
     finally:

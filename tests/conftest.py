@@ -29,18 +29,19 @@ def free_port() -> int:
 
 
 def run_train(out_dir, *overrides: str, launcher: str = "python", procs: int = 1, recipe: str = TINY,
-              env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Launch launch/train_dpo.py the way users do; returns the finished process (stdout+stderr in .stdout)."""
+              env: dict | None = None, check: bool = True, script: str = TRAIN) -> subprocess.CompletedProcess:
+    """Launch launch/train_dpo.py (or a script that wraps it) the way users do; returns the finished process
+    (stdout+stderr in .stdout)."""
     args = ["--recipe", recipe, "--output_dir", str(out_dir), *overrides]
     if launcher == "python":
-        cmd = [sys.executable, TRAIN, *args]
+        cmd = [sys.executable, script, *args]
     elif launcher == "deepspeed":
         cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(procs), "--master_port", str(free_port()),
-               TRAIN, ZERO3, *args]
+               script, ZERO3, *args]
     elif launcher == "accelerate":
         cmd = [os.path.join(BIN, "accelerate"), "launch", "--config_file",
                os.path.join(ROOT, "launch", "accelerate", "zero3.yaml"), "--num_processes", str(procs),
-               "--main_process_port", str(free_port()), TRAIN, *args]
+               "--main_process_port", str(free_port()), script, *args]
     else:
         raise ValueError(launcher)
     full_env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",

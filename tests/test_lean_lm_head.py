@@ -75,8 +75,39 @@ def test_routed_swaps_trls_fused_head_only_inside_the_block():
     import trl.trainer.utils as trl_utils
 
     with lean_lm_head.routed(False):
-        assert trl_utils._ChunkedLogProbFunction is trl_kernel.ChunkedLogProbFunction
+        assert trl_utils._ChunkedLogProbFunction is lean_lm_head.HookSafeLogProb
     with pytest.raises(RuntimeError), lean_lm_head.routed():
         assert trl_utils._ChunkedLogProbFunction is lean_lm_head.LeanLMHeadLogProb
         raise RuntimeError("training failed")
     assert trl_utils._ChunkedLogProbFunction is trl_kernel.ChunkedLogProbFunction
+
+
+@pytest.mark.parametrize("fn", [lean_lm_head.HookSafeLogProb, lean_lm_head.LeanLMHeadLogProb])
+def test_backward_gets_the_head_parameter_itself_under_saved_tensor_hooks(monkeypatch, fn):
+    """Activation offloading runs the forward under saved-tensor hooks. A parameter saved through them comes back as
+    a new plain tensor, so under ZeRO-3 TRL's backward could not gather it (no `ds_status`). Ours never saves it."""
+    import trl.trainer.utils as trl_utils
+
+    seen = []
+    real_gather = trl_utils.maybe_gather_lm_head_ctx
+    monkeypatch.setattr(trl_utils, "maybe_gather_lm_head_ctx", lambda *p: seen.append(p) or real_gather(*p))
+    torch.manual_seed(0)
+    hidden, targets = torch.randn(12, 16), torch.randint(0, 40, (12,))
+    weight = torch.nn.Parameter(torch.randn(40, 16))
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    results = {}
+    for cls in (trl_kernel.ChunkedLogProbFunction, fn):
+        seen.clear(), packed.clear()
+        weight.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # identity hooks, as a no-op offloader
+            logprobs, *_ = cls.apply(hidden, weight, None, targets, 1.0, 24, None, 1.0, ())
+        logprobs.sum().backward()
+        results[cls] = (seen[-1][0] is weight, any(t is weight for t in packed), weight.grad.clone())
+    assert results[trl_kernel.ChunkedLogProbFunction][:2] == (False, True)  # TRL's: through the hooks, a copy back
+    assert results[fn][:2] == (True, False)  # ours: the parameter itself, never through the hooks
+    torch.testing.assert_close(results[fn][2], results[trl_kernel.ChunkedLogProbFunction][2], atol=1e-5, rtol=0)

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_train, summary
+from conftest import ROOT, run_train, summary
 
 # 4 pairs per optimizer step in every run: 1 process x 4, or 2 processes x 2
 STEPS = ["--max_steps", "4", "--save_steps", "2", "--report_to", "none"]
@@ -82,6 +82,16 @@ def test_resume_under_zero3_continues_the_same_curve(ds2, tmp_path):
     assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5)
     ran = [json.loads(line)["step"] for line in open(tmp_path / "memory.jsonl")]
     assert ran == [3, 4]  # resumed from step 2, not restarted
+
+
+@pytest.mark.parametrize("lean_head", ["false", "true"])
+def test_saved_tensor_hooks_under_zero3_leave_the_curve_unchanged(ds2, tmp_path, lean_head):
+    """Activation offloading's hooks around each step (identity hooks here, tests/hooks_worker.py): the fused LM head
+    (TRL's, and the lean one) still gathers its partitioned weight in backward, and nothing changes numerically."""
+    run_train(tmp_path, *STEPS, "--per_device_train_batch_size", "2", "--save_strategy", "no",
+              "--memory.lean_lm_head", lean_head, launcher="deepspeed", procs=2,
+              script=os.path.join(ROOT, "tests", "hooks_worker.py"))
+    assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
 
 
 def test_accelerate_launch_matches(ds1, tmp_path):
