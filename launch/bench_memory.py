@@ -87,6 +87,9 @@ for _name in ("layer+norm_attn_mlp+offload", "layer+attn+lean+chunked4+offload",
 # blocks rounded up to a power of two (128k: 40 x 2.68 GB = 107 GB instead of 40 x 4 GB = 160 GB, over a 128 GB host).
 CONFIGS["layer+lean+chunked8+head+offload_pageable"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
                                                         "memory.offload_pin_memory": "false"}
+# The seed's two allocator levers on the leanest configuration: cache emptying every step, expandable segments.
+CONFIGS["layer+lean+chunked8+head+offload+empty_cache"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
+                                                           "memory.empty_cache_steps": "1"}
 # The same with expandable segments, aimed at its 64k fragmentation gap (23 GB reserved above the 16.8 GB allocated).
 CONFIGS["layer+lean+chunked8+head+offload+expandable"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
                                                           "memory.allocator_conf": "expandable_segments:True"}
@@ -135,7 +138,14 @@ def summarise(records: list[dict]) -> dict:
             "frag_gap_gb": agg("frag_gap_gb", max), "step_time_s": agg("step_time_s", median),
             "tokens_per_s": agg("tokens_per_s", median), "host_rss_gb": agg("host_rss_gb", max),
             "host_pinned_gb": agg("host_pinned_gb", max), "alloc_retries": agg("alloc_retries", max),
-            "steps_measured": len(steady)}
+            "steps_measured": len(steady),
+            # every step, the first included: its optimizer step allocates the optimizer state
+            **{k: max((r[k] for r in records if r.get(k) is not None), default=None)
+               for k in ("activation_peak_allocated_gb", "activation_peak_reserved_gb", "optimizer_peak_allocated_gb",
+                         "optimizer_peak_reserved_gb", "offloaded_gb", "offloaded_param_shaped")},
+            "first_step_peak_reserved_gb": records[0].get("peak_reserved_gb") if records else None,
+            "run_peak_reserved_gb": max((r["peak_reserved_gb"] for r in records if r.get("peak_reserved_gb") is not None),
+                                        default=None)}
 
 
 def run_one(args, name: str, seq: int) -> dict:
@@ -160,7 +170,9 @@ def run_one(args, name: str, seq: int) -> dict:
     summary = os.path.join(out_dir, "train_summary.json")
     if os.path.exists(summary):
         s = json.load(open(summary))
-        result.update(losses=s["losses"], allocator=s["allocator"], wrapped=s["wrapped"])
+        result.update(losses=s["losses"], allocator=s["allocator"], wrapped=s["wrapped"],
+                      grad_norms=[log.get("grad_norm") for log in s["train_logs"]],
+                      planner_predicted_reserved_gb=s.get("planner_predicted_reserved_gb"))
     return result
 
 

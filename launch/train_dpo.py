@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         "partition_numel_per_rank": _gather(sum(t.numel() for t in local_parameters(trainer.model_wrapped))),
         "total_numel": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         "planner_predicted_reserved_gb": prediction.peak_reserved_gb if prediction else None,
+        "planner_breakdown_gb": prediction.breakdown if prediction else None,
         "measured_reserved_gb": max((r["peak_reserved_gb"] for r in memory_callback.records
                                      if r["peak_reserved_gb"] is not None), default=None),  # None without a GPU
     }

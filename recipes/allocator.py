@@ -141,8 +141,9 @@ def apply(recipe_conf: str | None, environ=os.environ) -> dict:
 
 
 def verify(conf: str | None) -> dict:
-    """After CUDA is up, read the allocator back. Only max_split_size is reported by torch.cuda.memory_stats();
-    the other keys are recorded as applied, not verified."""
+    """After CUDA is up, read the allocator back: max_split_size from torch.cuda.memory_stats(), expandable segments
+    from the allocator's segment list (every segment is expandable once the setting took effect); other keys are
+    recorded as applied, not verified."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -153,4 +154,9 @@ def verify(conf: str | None) -> dict:
     wanted = parse(conf).get("max_split_size_mb") if conf else None
     if wanted is not None and reported is not None:
         out["verified"] = int(reported) == int(wanted) * 1024 * 1024
+    if conf and str(parse(conf).get("expandable_segments", "")).lower() == "true":
+        segments = torch.cuda.memory_snapshot()
+        if segments and all("is_expandable" in seg for seg in segments):
+            out["expandable_segments"] = all(seg["is_expandable"] for seg in segments)
+            out["verified"] = out.get("verified", True) and out["expandable_segments"]
     return out
