@@ -22,13 +22,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from recipes.config import RecipeError, load_recipe, parse_overrides  # noqa: E402
-from recipes.planner import (CALIBRATION, Setup, allocator_key, config_name, count_params, plan,  # noqa: E402
-                             predict, render)
+from recipes.planner import (CALIBRATION, SUB_GROUP, Setup, allocator_key, config_name, count_params,  # noqa: E402
+                             plan, predict, render)
+
+
+ACCEPTANCE_RUNS = os.path.join(ROOT, "results", "gpu_acceptance", "runs.json")
+
+
+def setup_from_argv(argv: list[str]) -> Setup:
+    """The Setup of a launch/train_dpo.py command line (launcher first, paths relative to the repo root)."""
+    from launch.train_dpo import parse_cli
+    from recipes.planner import setup_from_recipe
+    from recipes.validate import check_deepspeed_config
+
+    args = argv[[os.path.basename(a) for a in argv].index("train_dpo.py") + 1:]
+    cli = parse_cli([os.path.join(ROOT, a) if a.endswith((".yaml", ".json")) else a for a in args])
+    recipe = load_recipe(cli["recipe"], cli["overrides"])
+    ds = cli["deepspeed"] or ("ds_configs/zero3.json" if os.path.basename(argv[0]) == "accelerate" else None)
+    return setup_from_recipe(recipe, 1, 1, check_deepspeed_config(os.path.join(ROOT, ds)) if ds else None)
 
 
 def setup_from_result(environment: dict, row: dict) -> Setup:
-    """The Setup a committed benchmark row ran with, rebuilt from its recorded command and configuration."""
+    """The Setup a committed benchmark row (or acceptance run) ran with, rebuilt from its recorded command."""
     from launch.bench_memory import BASE, CONFIGS, parse_args
+
+    if "argv" in row:
+        return setup_from_argv(row["argv"])
     from recipes.config import ModelArgs
     from recipes.modeling import load_architecture
 
@@ -49,7 +68,8 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
 
 
 def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
-    """(environment, row) for every committed measurement that produced memory figures."""
+    """(environment, row, source) for every committed measurement that produced memory figures: the benchmark's
+    rows and the GPU acceptance suite's runs (real entrypoint, 1-2 layers; peaks over every step)."""
     for path in sorted(glob.glob(pattern, recursive=True)):
         with open(path) as f:
             data = json.load(f)
@@ -58,6 +78,19 @@ def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.js
         for row in data["results"]:
             if row.get("peak_allocated_gb") is not None:
                 yield data["environment"], row, os.path.relpath(path, ROOT)
+    if os.path.exists(ACCEPTANCE_RUNS):
+        with open(ACCEPTANCE_RUNS) as f:
+            data = json.load(f)
+        for name, run in data["runs"].items():
+            if run["rc"] != 0 or not run["records"]:
+                continue
+            s = setup_from_argv(run["argv"])
+            peak = {k: max(r[k] for r in run["records"]) for k in (
+                "peak_allocated_gb", "activation_peak_allocated_gb", "optimizer_peak_allocated_gb")}
+            row = {"config": s.config, "seq_tokens": s.seq, "argv": run["argv"], "run": name, **peak,
+                   "peak_reserved_gb": run["summary"]["measured_reserved_gb"]}
+            env = {**data["environment"], "mode": "zero3" if s.zero3 else "one process"}
+            yield env, row, os.path.relpath(ACCEPTANCE_RUNS, ROOT)
 
 
 def calibrate() -> dict:
@@ -92,14 +125,37 @@ def calibrate() -> dict:
                                   "reserved_factor": round(sum(factors) / len(factors), 4),
                                   "sources": sorted({src for *_, src in items})}
     cal["pinned_factor"] = round(sum(pinned) / len(pinned), 4) if pinned else 1.0
+    cal["zero3"] = fit_zero3(rows, cal)
+    ratios: dict[str, list] = {}
     for env, row, src in rows:
         s = setup_from_result(env, row)
         if s.allocator_conf and s.config in cal["configs"]:
             unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
             fixed = resident(s, cal)
-            ratio = (row["peak_reserved_gb"] - fixed) / (unfactored - fixed)
-            cal["allocator_factors"][allocator_key(s)] = round(ratio, 4)
+            ratios.setdefault(allocator_key(s), []).append((row["peak_reserved_gb"] - fixed) / (unfactored - fixed))
+    cal["allocator_factors"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(ratios.items())}
     return cal
+
+
+def fit_zero3(rows, cal: dict) -> dict:
+    """The optimizer step's transient per parameter of a sub-group, and the gap it leaves between reserved and
+    allocated, from real-path rows that measured the two peaks apart (no allocator setting)."""
+    steps, gaps, sources = [], [], set()
+    for env, row, src in rows:
+        opt = row.get("optimizer_peak_allocated_gb")
+        if env["mode"] != "zero3" or opt is None:
+            continue
+        s = setup_from_result(env, row)
+        if s.allocator_conf or s.offload_optimizer:
+            continue
+        steps.append((opt - resident(s, cal)) * 1e9 / min(s.params / s.ranks, SUB_GROUP))
+        if opt >= (row.get("activation_peak_allocated_gb") or 0):  # the optimizer phase set the peak
+            gaps.append(row["peak_reserved_gb"] - opt)
+        sources.add(src)
+    if not steps:
+        return {}
+    return {"step_bytes_per_param": round(sum(steps) / len(steps), 3),
+            "gap_gb": round(sum(gaps) / len(gaps), 3) if gaps else 0.0, "rows": len(steps), "sources": sorted(sources)}
 
 
 def resident(s: Setup, cal: dict) -> float:

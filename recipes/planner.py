@@ -13,11 +13,16 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
                             + T x per_token_bytes(config) x H / H_cal   one layer's backward, the LM head,
                                                                  gradients: fitted per configuration on the 12B
                                                                  architecture (H_cal = 5120), scaled by width
-                   step     = 4 x P / R (DeepSpeed's fp32 copy of the gradient partition)
-  reserved       model states + reference + transient x reserved_factor(config) x allocator_factor(allocator_conf),
-                 both measured: fragmentation grows with the activations' churn, not with the resident weights
-                 (measured 12k -> 64k, one configuration: gap / activations 1.38, 1.39, 1.39; a factor on the
-                 whole allocation was off by 13% at 64k)
+                   step     = ZeRO-3: step_bytes_per_param x min(P / R, 1e9): DeepSpeed steps the optimizer one
+                              sub-group (sub_group_size, 1e9 parameters by default) at a time, with an fp32 copy of
+                              its gradients and the optimizer's buffers for it; measured on the real path
+  peak           the activation peak (model states + reference + backward) and the optimizer-step peak (model
+                 states + reference + step) are reported apart: with few layers per rank the step's is the larger
+  reserved       max(model states + reference + backward x reserved_factor(config),
+                     model states + reference + step + zero3 gap)   each non-resident part x allocator_factor;
+                 the factors are measured: fragmentation grows with the activations' churn, not with the resident
+                 weights (12k -> 64k, one configuration: gap / activations 1.38, 1.39, 1.39); under ZeRO-3 the
+                 optimizer phase leaves a gap of its own (gathers, buckets, sub-group buffers)
   host           activation offloading: L x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching
                  allocator rounds each block up to a power of two); ZeRO-3 CPU offload: 12 x P / R (optimizer)
                  and 2 x P / R per offloaded model's parameters per rank; times the ranks of a node
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from .config import REPO_ROOT, Recipe
 
 GB = 1e9
+SUB_GROUP = 1e9  # DeepSpeed ZeRO-3's default sub_group_size: parameters per optimizer sub-step
 CALIBRATION = os.path.join(REPO_ROOT, "recipes", "planner_calibration.json")
 # bf16 bytes kept per token, per layer, per hidden unit by each policy's checkpoints (before offloading)
 STORED_BYTES = {"layer": 2.0, "attn_mlp": 16.0, "norm_attn": 14.0, "norm_attn_mlp": 8.0}
@@ -76,6 +82,8 @@ class Plan:
     breakdown: dict  # GB per component
     peak_allocated_gb: float
     peak_reserved_gb: float
+    activation_peak_gb: float  # allocated, during forward/backward
+    optimizer_peak_gb: float  # allocated, during the optimizer step
     host_per_node_gb: float  # pinned activations + ZeRO CPU offload, all ranks of a node
     calibrated_from: str
     gpu_memory_gb: float | None = None
@@ -142,10 +150,25 @@ def stored_bytes(config: str) -> float:
     return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
 
 
-def allocator_key(s: Setup) -> str | None:
-    """Allocator factors are fitted per setting and per mode: max_split_size_mb:64 measured 1.42x reserved under real
-    ZeRO-3 (4 layers) but 0.96x in one process with SGD in backward (40 layers)."""
-    return f"{s.allocator_conf} @ {'zero3' if s.zero3 else 'one process'}" if s.allocator_conf else None
+def allocator_key(s: Setup, with_config: bool = True) -> str | None:
+    """Allocator factors are fitted per setting, mode and configuration: max_split_size_mb:64 scaled what is not
+    resident 2.7x under real ZeRO-3 with norm_attn_mlp (4 layers), 1.6x with stock's layer checkpointing (1 layer),
+    and 0.96x in one process with SGD in backward (40 layers). Without a measurement of the configuration, the mean
+    of the setting's measurements in that mode."""
+    if not s.allocator_conf:
+        return None
+    key = f"{s.allocator_conf} @ {'zero3' if s.zero3 else 'one process'}"
+    return f"{key} / {s.config}" if with_config else key
+
+
+def _allocator_factor(s: Setup, cal: dict) -> float:
+    factors = cal.get("allocator_factors", {})
+    if not s.allocator_conf:
+        return 1.0
+    if allocator_key(s) in factors:
+        return factors[allocator_key(s)]
+    same = [v for k, v in factors.items() if k.startswith(allocator_key(s, with_config=False) + " / ")]
+    return sum(same) / len(same) if same else 1.0
 
 
 def load_calibration(path: str = CALIBRATION) -> dict:
@@ -169,22 +192,23 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     p, r = s.params, s.ranks
     if s.emulate:
         states, ref, step = 2.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0
-        gathered = 0.0
+        gathered = gap = 0.0
     elif s.zero3:
         per_param = 2 + 2 + (0 if s.offload_optimizer else 12) - (2 if s.offload_param else 0)
         states = per_param * p / r
         ref = 0.0 if s.precompute_ref else (0 if s.offload_param else 2.0) * p / r
-        step = 4.0 * p / r
+        zero3 = cal.get("zero3", {})
+        step = 0.0 if s.offload_optimizer else zero3.get("step_bytes_per_param", 4.0) * min(p / r, SUB_GROUP)
+        gap = zero3.get("gap_gb", 0.0) * GB
         gathered = 2.0 * max(s.layer_params, s.embed_params)
     else:  # one process, torch AdamW: param + grad + 2 moments in the parameter dtype (bf16)
-        states, ref, step, gathered = 8.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0, 0.0
+        states, ref, step, gathered, gap = 8.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0, 0.0, 0.0
     stored = s.tokens * s.layers * s.hidden * stored_bytes(s.config)
     per_token = s.tokens * coef["per_token_bytes"] * s.hidden / cal.get("hidden", s.hidden)
     backward = gathered + stored + per_token
-    transient = max(backward, step)
-    allocated = states + ref + transient
-    factor = coef["reserved_factor"] * cal.get("allocator_factors", {}).get(allocator_key(s), 1.0)
-    reserved = states + ref + transient * factor
+    allocated = states + ref + max(backward, step)
+    allocator = _allocator_factor(s, cal)
+    reserved = states + ref + max(backward * coef["reserved_factor"], step + gap) * allocator
     host = 0.0
     if s.config.endswith("+offload"):
         block = s.tokens * s.hidden * 2
@@ -199,6 +223,8 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
         source += f"; sequence parallel {s.sp}: per-rank tokens / {s.sp} (Ulysses all-to-all buffers not calibrated)"
     return Plan(breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
                 peak_allocated_gb=round(allocated / GB, 2), peak_reserved_gb=round(reserved / GB, 2),
+                activation_peak_gb=round((states + ref + backward) / GB, 2),
+                optimizer_peak_gb=round((states + ref + step) / GB, 2),
                 host_per_node_gb=round(host / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb,
                 host_memory_gb=host_memory_gb)
 
@@ -272,7 +298,9 @@ def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1,
 
 def render(result: Plan) -> str:
     lines = [f"  {k.replace('_', ' '):<38} {v:8.2f} GB" for k, v in result.breakdown.items()]
-    lines += [f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
+    lines += [f"  {'predicted activation peak allocated':<38} {result.activation_peak_gb:8.2f} GB",
+              f"  {'predicted optimizer-step peak allocated':<38} {result.optimizer_peak_gb:8.2f} GB",
+              f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
               f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
               f"  {'host memory per node (offloads)':<38} {result.host_per_node_gb:8.1f} GB",
               f"  calibrated from: {result.calibrated_from}"]
