@@ -5,10 +5,10 @@ missing, writes results/gpu_acceptance/latest.log). Skipped without CUDA, so the
 
 What runs (the 12B Mistral-NeMo architecture, random init, cut to 1-2 layers so that model states and the AdamW state
 fit one GPU beside each other; each run a fresh process, several at once within the GPU's memory):
-- every shipped recipes/nemotron12b/*.yaml through each launch form that applies to one GPU: the deepspeed launcher
-  on ZeRO-3, `accelerate launch --num_processes 1`, `python` (no DeepSpeed); a short length and the recipe's own long
-  one (65,536 tokens for dpo_64k; dpo_128k_sp8 runs sequence-parallel over 8 ranks, so one GPU runs its per-rank
-  length, 16,384 tokens, with `parallelism.sp_size 1`);
+- every shipped recipes/nemotron12b/*.yaml on the deepspeed launcher (ZeRO-3), dpo_12k also through `accelerate
+  launch --num_processes 1` and `python` (no DeepSpeed); a short length and the recipe's own long one (12,288 and
+  65,536 tokens; dpo_128k_sp8 runs sequence-parallel over 8 ranks, so one GPU runs its per-rank length, 16,384
+  tokens, with `parallelism.sp_size 1`);
 - every lever alone on ZeRO-3 (checkpointing policies, lean norm, lean LM head, MLP chunks, TiledMLP, offloading
   pinned and pageable, allocator settings, cache emptying) and the shipped combinations.
 Asserted per run: exit 0, step-1 loss ln 2, finite losses, telemetry written, allocator setting read back where set,
