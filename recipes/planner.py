@@ -152,8 +152,8 @@ def stored_bytes(config: str) -> float:
 
 def allocator_key(s: Setup, with_config: bool = True) -> str | None:
     """Allocator factors are fitted per setting, mode and configuration: max_split_size_mb:64 scaled what is not
-    resident 2.7x under real ZeRO-3 with norm_attn_mlp (4 layers), 1.6x with stock's layer checkpointing (1 layer),
-    and 0.96x in one process with SGD in backward (40 layers). Without a measurement of the configuration, the mean
+    resident 2.5x under real ZeRO-3 with norm_attn_mlp (4 layers), 1.5x with stock's layer checkpointing (1 layer),
+    and 0.97x in one process with SGD in backward (40 layers). Without a measurement of the configuration, the mean
     of the setting's measurements in that mode."""
     if not s.allocator_conf:
         return None
@@ -198,6 +198,7 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
         states = per_param * p / r
         ref = 0.0 if s.precompute_ref else (0 if s.offload_param else 2.0) * p / r
         zero3 = cal.get("zero3", {})
+        # with the optimizer offloaded, DeepSpeed runs the step on the host (not measured here)
         step = 0.0 if s.offload_optimizer else zero3.get("step_bytes_per_param", 4.0) * min(p / r, SUB_GROUP)
         gap = zero3.get("gap_gb", 0.0) * GB
         gathered = 2.0 * max(s.layer_params, s.embed_params)
