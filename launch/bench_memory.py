@@ -40,7 +40,7 @@ from recipes.distributed import run_job  # noqa: E402
 BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
         "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "memory.lean_norm": "false", "memory.lean_lm_head": "false",
         "memory.offload_pin_memory": "true",
-        "activation_offloading": "false"}
+        "activation_offloading": "false", "use_liger_kernel": "false"}
 CONFIGS = {
     # TRL 1.16 DPOTrainer as a user gets it: transformers' per-layer checkpointing, nothing of ours.
     "stock": {},
@@ -93,6 +93,18 @@ CONFIGS["layer+lean+chunked8+head+offload+empty_cache"] = {**CONFIGS["layer+lean
 # The same with expandable segments, aimed at its 64k fragmentation gap (23 GB reserved above the 16.8 GB allocated).
 CONFIGS["layer+lean+chunked8+head+offload+expandable"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
                                                           "memory.allocator_conf": "expandable_segments:True"}
+# The best library-only setup (TRL's checkpointing + activation offloading + Liger's RMSNorm/SwiGLU/RoPE kernels),
+# and our levers composed with Liger's kernels (recipes/liger.py): Liger's norms or our lean ones, MLP chunks of
+# Liger's SwiGLU or none. GPU only (Triton).
+LIGER = {"use_liger_kernel": "true"}
+CONFIGS["stock+liger"] = dict(LIGER)
+CONFIGS["stock+offload+liger"] = {**CONFIGS["stock+offload"], **LIGER}
+CONFIGS["layer+liger+head+offload"] = {**CONFIGS["stock+offload"], **LIGER, "memory.lean_lm_head": "true"}
+for _n in (2, 3, 8):
+    CONFIGS[f"layer+liger+chunked{_n}+head+offload"] = {**CONFIGS["layer+liger+head+offload"],
+                                                        "memory.mlp_chunks": str(_n)}
+    CONFIGS[f"layer+lean+liger+chunked{_n}+head+offload"] = {**CONFIGS[f"layer+liger+chunked{_n}+head+offload"],
+                                                             "memory.lean_norm": "true"}
 
 
 
@@ -112,6 +124,8 @@ def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
         overrides["memory.sgd_in_backward"] = "true"
     if args.snapshot:
         overrides["memory.snapshot_steps"] = "2"
+    if args.profile:
+        overrides["memory.profile_step"] = str(args.steps)
     flat = [x for k, v in overrides.items() for x in (f"--{k}", v)] + ["--no_final_save"]
     script = os.path.join(ROOT, "launch", "train_dpo.py")
     if args.launcher == "python":
@@ -123,8 +137,9 @@ def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
             "--recipe", args.recipe, *flat]
 
 
-def summarise(records: list[dict]) -> dict:
-    steady = records[1:] or records
+def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
+    # steps after the first; a profiled step is not timed (the profiler slows it)
+    steady = [r for r in records[1:] if r["step"] != profiled_step] or records
 
     def agg(key, fn):
         vals = [r[key] for r in steady if r.get(key) is not None]
@@ -161,7 +176,14 @@ def run_one(args, name: str, seq: int) -> dict:
     jsonl = os.path.join(out_dir, "memory.jsonl")
     if os.path.exists(jsonl):
         records = [json.loads(line) for line in open(jsonl)]
-        result.update(summarise(records), allocator_conf=records[-1].get("allocator_conf"))
+        result.update(summarise(records, args.steps if args.profile else None),
+                      allocator_conf=records[-1].get("allocator_conf"))
+    profile = os.path.join(out_dir, f"profile_step{args.steps}")
+    if args.profile and os.path.exists(profile + ".json"):
+        result["profile"] = json.load(open(profile + ".json"))
+        os.makedirs(os.path.join(args.out, "profiles"), exist_ok=True)
+        with open(os.path.join(args.out, "profiles", f"{name}_{seq}.md"), "w") as f:
+            f.write(f"# {name}, {seq} tokens\n\n" + open(profile + ".md").read())
     snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
     if os.path.exists(snap):
         from launch.analyze_snapshot import peak_holders
@@ -294,6 +316,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--snapshot", action="store_true",
                    help="record CUDA memory history for 2 steps and write what holds the peak (analyze_snapshot.py)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the last step (not timed) and write where its time went (recipes/profiling.py) to "
+                        "results.json and profiles/<config>_<tokens>.md")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                    help="run nothing: merge these results.json files' mode (a) rows into one table and chart in --out")
     p.add_argument("--out", required=True)

@@ -11,4 +11,5 @@ export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH PYTHONUNBUF
 keep() {
     mkdir -p "$OUT/$1"
     cp /tmp/"$1"/results.json /tmp/"$1"/results.md /tmp/"$1"/memory_vs_length.png /tmp/"$1"/bench.log "$OUT/$1/" 2>/dev/null
+    cp -r /tmp/"$1"/profiles "$OUT/$1/" 2>/dev/null || true
 }

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- 2. recipe and start-up checks (no model loaded yet) ---------------------------------------------------
     import torch
 
-    from recipes import lean_lm_head
+    from recipes import lean_lm_head, liger
     from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
     from recipes.config import load_recipe
     from recipes.validate import check_recipe, resolve_report_to
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer_kwargs.setdefault("prediction_loss_only", True)
     if memory.sgd_in_backward:  # the update happens in backward; the Trainer's SGD then finds no gradients
         trainer_kwargs.update(optim="sgd", max_grad_norm=0.0)
+    liger_config = liger.take(trainer_kwargs)  # applied below, before our patches, instead of by the Trainer
     teach_accelerate_cpu_gloo()
     skip_cpu_shm_allreduce()
     args = DPOConfig(**trainer_kwargs)  # with `deepspeed` set this starts the process group
@@ -145,12 +146,21 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(recipe.model)
     # ZeRO-3 partitions each parameter as the model is constructed (zero.Init): no rank ever holds the whole model
     built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
-    wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
-                                   memory.lean_norm)
-    wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, below
     ref_model = None
     if recipe.model.architecture and not args.precompute_ref_log_probs:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
+    if liger_config is not None:  # before our patches, so that they wrap Liger's kernels (recipes/liger.py)
+        liger_config = liger.apply([model, ref_model], liger_config, memory.lean_norm)
+    callbacks = [memory_callback]
+    if memory.profile_step:  # labels beneath the patches' wrappers, so that recomputes are labelled too
+        from recipes import profiling
+
+        profiling.instrument(model)
+        callbacks.append(profiling.ProfileCallback(memory.profile_step))
+    wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
+                                   memory.lean_norm)
+    wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, below
+    wrapped["liger"] = int(liger_config is not None)
     sp = None
     if recipe.parallelism.sp_size > 1:  # routes attention through Ulysses for every model of this process
         from recipes.sequence_parallel import SequenceParallel
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train_raw,
         eval_dataset=eval_raw,
         processing_class=tokenizer,
-        callbacks=[memory_callback],
+        callbacks=callbacks,
     )
     if args.activation_offloading:  # TRL's offloader, kept away from ZeRO-3 parameters, pinned or pageable
         from recipes.offloading import offload_context

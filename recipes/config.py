@@ -100,6 +100,8 @@ class MemoryArgs:
     empty_cache_microbatches (int, defaults to 0): the same every N micro-batches (costs speed; off by default).
     snapshot_steps (int, defaults to 0): record CUDA memory history for the first N steps and dump a snapshot
         (open it at https://pytorch.org/memory_viz).
+    profile_step (int, defaults to 0): profile optimizer step N with torch.profiler and write where its time went, by
+        module kind and phase (forward, recompute, backward, offload copies), to profile_step<N>.md (recipes/profiling.py).
     telemetry (bool, defaults to True): per-step memory/time telemetry to the logs and memory.jsonl.
     sgd_in_backward (bool, defaults to False): benchmark mode (a), one process: apply SGD to each parameter in
         backward and free its gradient at once (what a ZeRO-3 rank keeps); see recipes/emulation.py.
@@ -117,6 +119,7 @@ class MemoryArgs:
     empty_cache_steps: int = 0
     empty_cache_microbatches: int = 0
     snapshot_steps: int = 0
+    profile_step: int = 0
     telemetry: bool = True
     sgd_in_backward: bool = False
     memory_cap_gb: float | None = None

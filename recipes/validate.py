@@ -10,7 +10,7 @@ import json
 import logging
 import os
 
-from . import allocator
+from . import allocator, liger
 from .checkpointing import check_mlp_split, check_policy
 from .config import Recipe, RecipeError, resolve_path
 from .data import check_data_args
@@ -44,8 +44,10 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
                                 recipe.model.attn_implementation, evaluating=bool(recipe.data.eval_files))
     if mem.allocator_conf:
         allocator.parse(mem.allocator_conf)
+    liger.check(t, cuda_available)
     check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
-    for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps"):
+    for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps",
+                "profile_step"):
         if getattr(mem, key) < 0:
             raise RecipeError(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
 

@@ -131,9 +131,15 @@ def test_bench_end_to_end_on_cpu(tmp_path):
 
     results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "emulate",
                     "--seq-tokens", "48", "--steps", "2", "--prompt-tokens", "8",
-                    "--configs", "stock,layer+norm_attn_mlp", "--out", str(tmp_path)])
+                    "--configs", "stock,layer+norm_attn_mlp", "--profile", "--out", str(tmp_path)])
     assert [r["rc"] for r in results] == [0, 0]
     assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)  # levers change no numerics
+    # the profiled last step: each module kind's forward, its recompute by the checkpoints, and autograd's backward
+    rows = results[1]["profile"]["kernel_ms"]
+    for row in ("forward:attention", "forward:mlp", "forward:norm", "forward:lm_head",
+                "recompute:attention", "recompute:mlp", "recompute:norm", "backward:matmul"):
+        assert rows.get(row, 0) > 0, (row, rows)
+    assert "| forward:attention |" in (tmp_path / "profiles" / "layer+norm_attn_mlp_48.md").read_text()
     saved = json.load(open(tmp_path / "results.json"))
     assert saved["environment"]["mode"] == "emulate" and saved["environment"]["trl"] == "1.16.0"
     assert (tmp_path / "results.md").read_text().count("| 48 |") == 2
