@@ -45,6 +45,8 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--deepspeed", "ds_configs/nope.json"], "does not exist; pass one of ds_configs"),
     (["--memory.sgd_in_backward", "true", "--deepspeed", "ds_configs/zero3.json"], "single process"),
     (["--memory.allocator_conf", "max_split_size_mb=64"], "malformed; write `key:value`"),
+    (["--use_liger_kernel", "true"], "needs a CUDA GPU.*set `use_liger_kernel: false`"),
+    (["--memory.profile_step", "-1"], "`memory.profile_step` must be >= 0"),
 ])
 def test_bad_recipe_values(argv, message):
     with pytest.raises(RecipeError, match=message):
@@ -149,3 +151,24 @@ def test_tokenizer_larger_than_vocab_is_caught_before_the_model_is_built(tmp_pat
     (tmp_path / "small_vocab.json").write_text(json.dumps(arch))
     proc = run_train(tmp_path / "out", "--model.architecture", str(tmp_path / "small_vocab.json"), check=False)
     assert proc.returncode == 2 and "tokenizer has 263 tokens but the model's vocab_size is 100" in proc.stdout
+
+
+def test_liger_needs_its_package_and_keeps_trls_fused_head(monkeypatch):
+    """On a GPU machine: liger-kernel missing names requirements-gpu.txt; Liger's fused cross-entropy is refused;
+    the Trainer is handed no Liger flag (the entrypoint applies it before our patches)."""
+    import importlib.util
+
+    from recipes import liger
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "liger_kernel" else real(n, *a))
+    with pytest.raises(RecipeError, match="requirements-gpu.txt"):
+        liger.check({"use_liger_kernel": True}, cuda_available=True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "liger_kernel" else real(n, *a))
+    with pytest.raises(RecipeError, match="fused_linear_cross_entropy"):
+        liger.check({"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}}, True)
+    liger.check({"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}}, cuda_available=True)
+    trainer = {"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}, "max_steps": 3}
+    assert liger.take(trainer) == {"swiglu": False, "fused_linear_cross_entropy": False, "cross_entropy": False}
+    assert trainer == {"max_steps": 3}
+    assert liger.take({"max_steps": 3}) is None

@@ -114,6 +114,13 @@ RUNS = {
     "alloc_max_split_64": lever(**{"memory.allocator_conf": "max_split_size_mb:64"}),
     "alloc_expandable": lever(**{"memory.allocator_conf": "expandable_segments:True"}),
     "empty_cache": lever(**{"memory.empty_cache_steps": "1", "memory.empty_cache_microbatches": "1"}),
+    # Liger's kernels (use_liger_kernel): as the library gives them, with TRL's offloading, and under our levers
+    "liger": lever(use_liger_kernel="true"),
+    "stock+offload+liger": lever(activation_offloading="true", use_liger_kernel="true"),
+    "layer+liger+chunked3+head+offload": lever(activation_offloading="true", use_liger_kernel="true", **{
+        "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
+    "layer+lean+liger+chunked3+head+offload": lever(activation_offloading="true", use_liger_kernel="true", **{
+        "memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
     # the shipped combination of the 12k headline (dpo_12k's and dpo_64k's run above, as recipes)
     "layer+lean+chunked3+head+offload": lever(activation_offloading="true", **{
         "memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
@@ -267,6 +274,46 @@ def test_lean_norm_matches_stock_on_gpu():
         outs.append((y.detach(), xi.grad, norm.weight.grad.clone()))
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=2e-2)
+
+
+def test_our_levers_wrap_ligers_kernels_on_gpu():
+    """Liger applied before our patches (recipes/liger.py): MLP chunks split Liger's SwiGLU, the lean norm replaces
+    Liger's RMSNorm, and the loss and every gradient equal the Liger-only model's (bf16)."""
+    from recipes import liger
+    from recipes.checkpointing import apply_memory_patches
+    from recipes.config import ModelArgs
+    from recipes.lean_norm import LeanRMSNormFunction
+    from recipes.modeling import build_model
+
+    settings = ((False, 0), (False, 4), (True, 4))  # (lean norm, MLP chunks); models built before Liger patches
+    models = [build_model(ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte",
+                                    dtype="bfloat16", init_seed=1)).to("cuda").train() for _ in settings]
+    ids = torch.randint(0, 200, (2, 256), device="cuda")
+    results = []
+    for model, (lean_norm, chunks) in zip(models, settings):
+        liger.apply([model], liger.take({"use_liger_kernel": True}), lean_norm)
+        apply_memory_patches(model, "layer+attn_mlp", mlp_chunks=chunks, lean_norm=lean_norm)
+        layer = model.model.layers[0]
+        assert layer.mlp._get_name() == "LigerSwiGLUMLP"
+        hidden = layer.input_layernorm(torch.randn(1, 8, model.config.hidden_size, device="cuda",
+                                                   dtype=torch.bfloat16, requires_grad=True))
+        is_lean = hidden.grad_fn.name() == LeanRMSNormFunction.__name__ + "Backward"
+        assert is_lean == lean_norm, hidden.grad_fn.name()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if chunks:
+            assert layer.mlp.recipes_forward_calls > 0  # our chunk wrapper ran Liger's SwiGLU
+        results.append((loss.detach(), [p.grad.float() for p in model.parameters()]))
+    (loss0, grads0), *others = results
+    for loss, grads in others:
+        torch.testing.assert_close(loss, loss0, atol=1e-2, rtol=1e-2)
+        for g, g0 in zip(grads, grads0):
+            assert (g - g0).norm() <= 2e-2 * g0.norm() + 1e-6  # bf16: every parameter's gradient within 2%
+
+
+@pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r.overrides.get("use_liger_kernel") == "true"])
+def test_liger_runs_apply_ligers_kernels_under_our_levers(runs, name):
+    assert runs[name]["summary"]["wrapped"]["liger"] == 1
 
 
 # ---- the runs ----------------------------------------------------------------------------------------------------
