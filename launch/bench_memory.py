@@ -139,7 +139,7 @@ def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
 
 def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
     # steps after the first; a profiled step is not timed (the profiler slows it)
-    steady = [r for r in records[1:] if r["step"] != profiled_step] or records
+    steady = [r for r in records[1:] if profiled_step is None or r.get("step") != profiled_step] or records
 
     def agg(key, fn):
         vals = [r[key] for r in steady if r.get(key) is not None]
@@ -182,7 +182,7 @@ def run_one(args, name: str, seq: int) -> dict:
     if args.profile and os.path.exists(profile + ".json"):
         result["profile"] = json.load(open(profile + ".json"))
         os.makedirs(os.path.join(args.out, "profiles"), exist_ok=True)
-        with open(os.path.join(args.out, "profiles", f"{name}_{seq}.md"), "w") as f:
+        with open(os.path.join(args.out, "profiles", f"{name}_{seq}.md".replace("+", "-")), "w") as f:
             f.write(f"# {name}, {seq} tokens\n\n" + open(profile + ".md").read())
     snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
     if os.path.exists(snap):

@@ -151,14 +151,14 @@ def main(argv: list[str] | None = None) -> dict:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
     if liger_config is not None:  # before our patches, so that they wrap Liger's kernels (recipes/liger.py)
         liger_config = liger.apply([model, ref_model], liger_config, memory.lean_norm)
-    callbacks = [memory_callback]
+    callbacks, label = [memory_callback], None
     if memory.profile_step:  # labels beneath the patches' wrappers, so that recomputes are labelled too
         from recipes import profiling
 
-        profiling.instrument(model)
+        label = profiling.instrument
         callbacks.append(profiling.ProfileCallback(memory.profile_step))
     wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
-                                   memory.lean_norm)
+                                   memory.lean_norm, label=label)
     wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, below
     wrapped["liger"] = int(liger_config is not None)
     sp = None

@@ -157,19 +157,24 @@ def decoder_modules(model: torch.nn.Module):
 
 
 def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0,
-                         mlp_chunks: int = 0, lean_norm: bool = False) -> dict[str, int]:
+                         mlp_chunks: int = 0, lean_norm: bool = False, label=None) -> dict[str, int]:
     """Wrap the policy model's module forwards for `policy` (tile or chunk its MLPs, make its norms lean).
+    `label(model)`, if given, runs after the norms are made lean and before any wrapper (recipes/profiling.py).
     Returns what was wrapped."""
     check_policy(policy)
     check_mlp_split(tiled_mlp, mlp_chunks)
     wrapped = {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0, "lean_norm": 0}
     if policy in ("none", "layer") and not (tiled_mlp or mlp_chunks or lean_norm):
+        if label:
+            label(model)
         return wrapped
     layers, final_norm = decoder_modules(model)
     if lean_norm:  # first, so that a checkpoint wraps the lean forward
         for norm in [final_norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
             make_lean(norm)
             wrapped["lean_norm"] += 1
+    if label:
+        label(model)
     inner = INNER.get(policy.removeprefix("layer+"), ())
     for layer in layers:
         if tiled_mlp:

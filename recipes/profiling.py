@@ -50,7 +50,8 @@ def label(module: torch.nn.Module, kind: str) -> None:
 
 
 def instrument(model: torch.nn.Module) -> int:
-    """Label the decoder's attention, MLP and norm modules (before the memory patches wrap them). Returns a count."""
+    """Label the decoder's attention, MLP and norm modules (after the lean norms replace their forwards, before any
+    checkpoint wrapper: `apply_memory_patches(..., label=instrument)`). Returns a count."""
     from .checkpointing import decoder_modules
 
     layers, final_norm = decoder_modules(model)

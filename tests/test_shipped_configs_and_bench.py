@@ -97,6 +97,8 @@ def test_bench_summary_and_table():
     s = summarise(records)  # the first (warm-up) step is left out
     assert s["peak_allocated_gb"] == 62.0 and s["above_weights_gb"] == 13.0 and s["peak_reserved_gb"] == 70.0
     assert s["step_time_s"] == 7.0 and s["steps_measured"] == 2
+    profiled = summarise([{**r, "step": i + 1} for i, r in enumerate(records)], profiled_step=3)
+    assert profiled["step_time_s"] == 6.0 and profiled["steps_measured"] == 1  # the profiled step is not timed
     table = render_table([{"config": "ours", "seq_tokens": 12288, "rc": 0, "oom": False, **s},
                           {"config": "stock", "seq_tokens": 65536, "rc": 1, "oom": True}])
     assert "| 12288 | ours | 62.00 | 13.00 | 70.00 |" in table
@@ -139,7 +141,7 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     for row in ("forward:attention", "forward:mlp", "forward:norm", "forward:lm_head",
                 "recompute:attention", "recompute:mlp", "recompute:norm", "backward:matmul"):
         assert rows.get(row, 0) > 0, (row, rows)
-    assert "| forward:attention |" in (tmp_path / "profiles" / "layer+norm_attn_mlp_48.md").read_text()
+    assert "| forward:attention |" in (tmp_path / "profiles" / "layer-norm_attn_mlp_48.md").read_text()
     saved = json.load(open(tmp_path / "results.json"))
     assert saved["environment"]["mode"] == "emulate" and saved["environment"]["trl"] == "1.16.0"
     assert (tmp_path / "results.md").read_text().count("| 48 |") == 2
