@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         from recipes import profiling
 
         label = profiling.instrument
+        profiling.instrument_reference(ref_model)
         callbacks.append(profiling.ProfileCallback(memory.profile_step))
     wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
                                    memory.lean_norm, label=label)

@@ -5,7 +5,7 @@ Each decoder module's forward runs inside a labelled range (attention, MLP, norm
 function), installed beneath every checkpoint wrapper, so a recompute in backward is labelled as one. Every GPU kernel
 is then charged to the innermost label around the op that launched it:
 
-  forward:<kind>     the module's forward in the forward pass
+  forward:<kind>     the module's forward in the forward pass (forward:reference: the reference model's layers)
   recompute:<kind>   the same forward replayed in backward by a checkpoint
   backward:<kind>    autograd's backward nodes, by node (attention, matmul, norm, activation, LM head, other)
   offload copies     device<->host copies (activation offloading; they overlap compute on their own stream)
@@ -63,6 +63,15 @@ def instrument(model: torch.nn.Module) -> int:
             count += 1
     label(final_norm, "norm")
     return count + 1
+
+
+def instrument_reference(ref_model: torch.nn.Module | None) -> None:
+    """Label the reference model's decoder layers `forward:reference` (it runs under no_grad: forward only)."""
+    if ref_model is not None:
+        from .checkpointing import decoder_modules
+
+        for layer in decoder_modules(ref_model)[0]:
+            label(layer, "reference")
 
 
 def _row(event) -> str:

@@ -139,7 +139,8 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     # the profiled last step: each module kind's forward, its recompute by the checkpoints, and autograd's backward
     rows = results[1]["profile"]["kernel_ms"]
     for row in ("forward:attention", "forward:mlp", "forward:norm", "forward:lm_head",
-                "recompute:attention", "recompute:mlp", "recompute:norm", "backward:matmul"):
+                "recompute:attention", "recompute:mlp", "recompute:norm", "backward:matmul",
+                "forward:reference"):
         assert rows.get(row, 0) > 0, (row, rows)
     assert "| forward:attention |" in (tmp_path / "profiles" / "layer-norm_attn_mlp_48.md").read_text()
     saved = json.load(open(tmp_path / "results.json"))
