@@ -62,7 +62,8 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
                  zero3=environment["mode"] == "zero3", emulate=environment["mode"] == "emulate",
                  config=config_name(over["memory.checkpointing"], int(over["memory.tiled_mlp"]),
                                     over["activation_offloading"] == "true", int(over["memory.mlp_chunks"]),
-                                    over["memory.lean_norm"] == "true", over["memory.lean_lm_head"] == "true"),
+                                    over["memory.lean_norm"] == "true", over["memory.lean_lm_head"] == "true",
+                                    over["use_liger_kernel"] == "true"),
                  allocator_conf=None if conf == "null" else conf,
                  offload_pinned=over["memory.offload_pin_memory"] == "true")
 
@@ -81,13 +82,17 @@ def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.js
     if os.path.exists(ACCEPTANCE_RUNS):
         with open(ACCEPTANCE_RUNS) as f:
             data = json.load(f)
+        # the shipped recipes as that run read them (they change later): kept beside the runs, per commit
+        kept = os.path.join(os.path.dirname(ACCEPTANCE_RUNS), f"recipes_{data['environment']['commit']}")
         for name, run in data["runs"].items():
             if run["rc"] != 0 or not run["records"]:
                 continue
-            s = setup_from_argv(run["argv"])
+            argv = [os.path.relpath(os.path.join(kept, os.path.basename(a)), ROOT)
+                    if a.startswith("recipes/nemotron12b/") and os.path.isdir(kept) else a for a in run["argv"]]
+            s = setup_from_argv(argv)
             peak = {k: max(r[k] for r in run["records"]) for k in (
                 "peak_allocated_gb", "activation_peak_allocated_gb", "optimizer_peak_allocated_gb")}
-            row = {"config": s.config, "seq_tokens": s.seq, "argv": run["argv"], "run": name, **peak,
+            row = {"config": s.config, "seq_tokens": s.seq, "argv": argv, "run": name, **peak,
                    "peak_reserved_gb": run["summary"]["measured_reserved_gb"]}
             env = {**data["environment"], "mode": "zero3" if s.zero3 else "one process"}
             yield env, row, os.path.relpath(ACCEPTANCE_RUNS, ROOT)

@@ -128,10 +128,12 @@ def model_flops_per_step(s: Setup, attn_width: int, with_reference: bool = True)
 
 
 def config_name(policy: str, tiled_mlp: int, offload: bool, mlp_chunks: int = 0, lean_norm: bool = False,
-                lean_lm_head: bool = False) -> str:
+                lean_lm_head: bool = False, liger: bool = False) -> str:
     name = "stock" if policy == "layer" else policy
     if lean_norm:
         name += "+lean"
+    if liger:
+        name += "+liger"
     if lean_lm_head:
         name += "+head"
     if tiled_mlp:
@@ -144,7 +146,7 @@ def config_name(policy: str, tiled_mlp: int, offload: bool, mlp_chunks: int = 0,
 def stored_bytes(config: str) -> float:
     if "offload" in config and config.split("+")[0] in ("stock", "layer"):
         return 0.0  # TRL offloads the layer checkpoint's inputs to host memory
-    policy = re.split(r"\+(?:lean|head|tiled|chunked|offload)", config)[0]
+    policy = re.split(r"\+(?:lean|liger|head|tiled|chunked|offload)", config)[0]
     if policy == "stock" or policy.startswith("layer"):
         return STORED_BYTES["layer"]
     return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
@@ -180,6 +182,9 @@ def _coefficients(config: str, cal: dict) -> tuple[dict, str]:
     configs = cal["configs"]
     if config in configs:
         return configs[config], config
+    if "+liger" in config and config.replace("+liger", "") in configs:  # Liger's kernels keep less, not more
+        without = config.replace("+liger", "")
+        return configs[without], f"{without} (no measurement with Liger's kernels: an upper bound)"
     # nearest measured relative: same offload choice, stock checkpointing
     fallback = "stock+offload" if config.endswith("+offload") else "stock"
     return configs[fallback], f"{fallback} (no measurement of {config})"
@@ -246,7 +251,7 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
                  offload_param=zero.get("offload_param", {}).get("device") == "cpu",
                  emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
                  config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm,
-                                    mem.lean_lm_head),
+                                    mem.lean_lm_head, bool(t.get("use_liger_kernel"))),
                  allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size, offload_pinned=mem.offload_pin_memory)
 
 

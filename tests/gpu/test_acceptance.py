@@ -142,6 +142,9 @@ def write_runs(results: dict, path: str) -> None:
     runs = {name: {k: results[name][k] for k in keep} for name in RUNS if name in results}
     with open(path, "w") as f:
         json.dump({"environment": environment, "runs": runs}, f, indent=1)
+    # the shipped recipes as these runs read them, for the planner's calibration (launch/plan_memory.py)
+    kept = os.path.join(os.path.dirname(path), f"recipes_{environment['commit']}")
+    shutil.copytree(RECIPES, kept, dirs_exist_ok=True)
 
 
 EXACT = ("attn_mlp", "norm_attn_mlp", "layer+norm_attn_mlp", "mlp_chunks", "offload", "offload_pageable",
