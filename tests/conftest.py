@@ -69,3 +69,13 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def gpu_packages(monkeypatch):
+    """Start-up checks as on a GPU machine with requirements-gpu.txt installed: liger-kernel (it needs Triton, so
+    it is not installed here) is reported present."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "liger_kernel" else real(n, *a))

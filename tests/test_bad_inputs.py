@@ -53,7 +53,7 @@ def test_bad_recipe_values(argv, message):
         check(*argv)
 
 
-def test_global_batch_checked_against_ranks():
+def test_global_batch_checked_against_ranks(gpu_packages):
     check("--data.global_batch_size", "8", "--per_device_train_batch_size", "1", world_size=8, cuda=True,
           recipe="recipes/nemotron12b/dpo_12k.yaml")
     with pytest.raises(RecipeError, match="x 4 data-parallel ranks = 4"):

@@ -24,14 +24,9 @@ def test_something_is_shipped():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
-def test_recipe_is_valid(path, monkeypatch):
+def test_recipe_is_valid(path, gpu_packages):
     recipe = load_recipe(path)
     gpu = recipe.model.dtype != "float32"
-    if gpu:  # checked as on a GPU machine with requirements-gpu.txt installed (liger-kernel needs Triton)
-        import importlib.util
-
-        real = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "liger_kernel" else real(n, *a))
     ranks = (recipe.data.global_batch_size or 1) // recipe.trainer.get("per_device_train_batch_size", 8) or 1
     check_recipe(recipe, world_size=ranks, cuda_available=gpu)
     header = open(path).read().split("\n\n")[0]
