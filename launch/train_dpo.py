@@ -10,7 +10,10 @@
     accelerate launch --config_file launch/accelerate/zero3.yaml launch/train_dpo.py --recipe <yaml>
 
 Any `--key value` overrides the recipe (`--max_steps 10`, `--memory.checkpointing attn_mlp`).
-`--resume_from_checkpoint <dir|true>` continues a run; `--no_final_save` skips saving the final model.
+`--resume_from_checkpoint <dir|true|auto>` continues a run from a complete checkpoint (true: the newest; auto: the
+newest if there is one, else from step 0); `--no_final_save` skips saving the final model.
+Exit status: 0 done, 2 a recipe or command-line problem, 3 out of GPU memory, 4 a non-finite loss or gradient norm,
+75 saved and stopped on a signal (preemption: resume with `--resume_from_checkpoint auto`).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def parse_cli(argv: list[str]) -> dict:
         elif key in ("--local_rank", "--local-rank"):
             os.environ.setdefault("LOCAL_RANK", value)
         elif key == "--resume_from_checkpoint":
-            cli["resume"] = True if value.lower() == "true" else value
+            cli["resume"] = {"true": True, "auto": "auto"}.get(value.lower(), value)
         else:
             cli["deepspeed"] = value
     cli["overrides"] = parse_overrides(rest)
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- 2. recipe and start-up checks (no model loaded yet) ---------------------------------------------------
     import torch
 
-    from recipes import lean_lm_head, liger
+    from recipes import lean_lm_head, liger, resilience
     from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
     from recipes.config import load_recipe
     from recipes.validate import check_recipe, resolve_report_to
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
     prediction = preflight(recipe, world_size, enforce=cli["preflight"])
+    if recipe.run.check_disk:
+        disk_check(recipe, cli["save"])
     from recipes.distributed import stale_build_locks
 
     if int(os.environ.get("RANK", 0)) == 0:
@@ -121,6 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     if memory.sgd_in_backward:  # the update happens in backward; the Trainer's SGD then finds no gradients
         trainer_kwargs.update(optim="sgd", max_grad_norm=0.0)
     liger_config = liger.take(trainer_kwargs)  # applied below, before our patches, instead of by the Trainer
+    trainer_kwargs.setdefault("ddp_timeout", 7200)  # a 64k step and a 12B save take minutes; a hang fails in 2 h
+    # older checkpoints are rotated only once the new one is complete (recipes/resilience.py), not by the Trainer
+    keep_checkpoints = trainer_kwargs.pop("save_total_limit", None)
     teach_accelerate_cpu_gloo()
     skip_cpu_shm_allreduce()
     args = DPOConfig(**trainer_kwargs)  # with `deepspeed` set this starts the process group
@@ -131,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     if memory.memory_cap_gb and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(args.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory.memory_cap_gb * 1e9 / total), args.device)
+
+    resume = _resolve_resume(cli["resume"], args.output_dir, is_main)
+    guard = resilience.ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints)
 
     # ---- 4. data -------------------------------------------------------------------------------------------------
     tokenizer = load_tokenizer(recipe.model)
@@ -151,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
     if liger_config is not None:  # before our patches, so that they wrap Liger's kernels (recipes/liger.py)
         liger_config = liger.apply([model, ref_model], liger_config, memory.lean_norm)
-    callbacks, label = [memory_callback], None
+    callbacks, label = [memory_callback, guard], None
     if memory.profile_step:  # labels beneath the patches' wrappers, so that recomputes are labelled too
         from recipes import profiling
 
@@ -185,6 +196,22 @@ def main(argv: list[str] | None = None) -> dict:
         def get_eval_dataloader(self, eval_dataset=None):
             loader = super().get_eval_dataloader(eval_dataset)
             return sp.shard_over_data_parallel_ranks(loader) if sp else loader
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
+            loss = out[0] if return_outputs else out
+            if model.training and os.environ.get("RECIPES_FAULT_NAN_AT_STEP") == str(self.state.global_step + 1):
+                loss = loss * float("nan")  # fault injection for the tests: a NaN loss at step N
+                out = (loss, *out[1:]) if return_outputs else loss
+            if model.training:
+                guard.saw_loss(loss)
+            return out
+
+        def _get_grad_norm(self, model, grad_norm=None):
+            grad_norm = super()._get_grad_norm(model, grad_norm)
+            guard.saw_grad_norm(grad_norm)
+            return grad_norm
 
         def _track_num_input_tokens(self, inputs):
             # transformers sums every rank's batch: the K ranks of a sequence-parallel group hold the same pairs
@@ -228,9 +255,20 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- 7. train and save ---------------------------------------------------------------------------------------
     try:
         with lean_lm_head.routed(memory.lean_lm_head):
-            result = trainer.train(resume_from_checkpoint=cli["resume"])
+            result = trainer.train(resume_from_checkpoint=resume)
     except torch.OutOfMemoryError as e:
         raise OutOfMemory(oom_report(e, recipe, world_size, memory_callback, args.output_dir)) from None
+    if guard.stopped:
+        step, quantity = guard.stopped
+        last = resilience.last_complete(args.output_dir)
+        raise NonFinite(f"step {step}: the {quantity} is not finite; stopped there and saved nothing. "
+                        + (f"Last complete checkpoint: {last} (resume from it with `--resume_from_checkpoint {last}`, "
+                           "e.g. with a lower learning_rate)." if last else "No checkpoint had been saved."))
+    if guard.preempted_at is not None:
+        if is_main:
+            logger.warning("%s received: saved checkpoint-%d and stopped; resume with --resume_from_checkpoint auto",
+                           guard.signal_received, guard.preempted_at)
+        return {"preempted_at": guard.preempted_at, "signal": guard.signal_received}
     if cli["save"]:
         trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
         if is_main:
@@ -262,8 +300,57 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+EXIT_PREEMPTED = 75  # saved and stopped on a signal (recipes/resilience.py); the SLURM example requeues on it
+
+
 class OutOfMemory(Exception):
     """A CUDA OOM during training, with the report that says what would have fitted."""
+
+
+class NonFinite(Exception):
+    """A non-finite loss or gradient norm stopped the run."""
+
+
+def _resolve_resume(requested, output_dir: str, is_main: bool):
+    """The complete checkpoint to resume from (rank 0 first: it moves incomplete ones aside; the others then agree).
+    A preemption marker from an earlier run is cleared once the run starts again."""
+    from recipes import resilience
+
+    dist = _distributed()
+    resume = resilience.resolve_resume(requested, output_dir, True) if is_main else None
+    if dist:
+        dist.barrier()
+    if not is_main:
+        resume = resilience.resolve_resume(requested, output_dir, False)
+    marker = os.path.join(output_dir, resilience.PREEMPTED)
+    if is_main and os.path.exists(marker):
+        os.remove(marker)
+    return resume
+
+
+def disk_check(recipe, final_save: bool) -> None:
+    """Checkpoints and the final model against the output dir's free space, before any model is loaded."""
+    from recipes import resilience
+    from recipes.modeling import load_architecture
+    from recipes.planner import count_params
+
+    try:
+        params = count_params(load_architecture(recipe.model))[0]
+    except (AttributeError, KeyError, TypeError):  # an architecture the planner cannot size
+        return
+    t = recipe.trainer
+    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
+    ds_path = t.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    zero3 = False
+    if ds_path:
+        from recipes.validate import check_deepspeed_config
+
+        zero3 = check_deepspeed_config(ds_path).get("zero_optimization", {}).get("stage") == 3
+    one = resilience.checkpoint_bytes(params, dtype_bytes, zero3, with_optimizer=not t.get("save_only_model"))
+    warning = resilience.check_disk(t.get("output_dir", "trainer_output"), one, resilience.checkpoints_kept(t),
+                                    params * dtype_bytes if final_save else 0)
+    if warning and int(os.environ.get("RANK", 0)) == 0:
+        logger.warning(warning)
 
 
 def _gpu_memory_gb(recipe) -> float | None:
@@ -353,15 +440,20 @@ def _distributed():
 
 def run() -> int:
     try:
-        main()
+        summary = main()
         if dist := _distributed():
             dist.barrier()  # no rank tears the process group down while another still uses it
+        if "preempted_at" in summary:
+            return EXIT_PREEMPTED
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OutOfMemory as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except NonFinite as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     finally:
         if dist := _distributed():
             dist.destroy_process_group()

@@ -1,8 +1,10 @@
-"""Recipe schema: a flat YAML of TRL `DPOConfig` fields plus three sections of our own.
+"""Recipe schema: a flat YAML of TRL `DPOConfig` fields plus sections of our own.
 
     # Model arguments      -> model:  (ModelArgs)
     # Data arguments       -> data:   (DataArgs)
     # Memory levers        -> memory: (MemoryArgs)
+    # Sequence parallelism -> parallelism: (ParallelismArgs)
+    # Long runs            -> run:    (RunArgs: save on preemption, disk check)
     # DPOTrainer arguments -> top level, exactly the fields of trl.DPOConfig
 
 Command-line `--key value` overrides the YAML; section keys are dotted (`--memory.checkpointing attn_mlp`).
@@ -137,7 +139,22 @@ class ParallelismArgs:
     sp_size: int = 1
 
 
-SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": ParallelismArgs}
+@dataclass
+class RunArgs:
+    """How a long run survives the cluster (recipes/resilience.py).
+
+    save_on_signals (list[str], defaults to [SIGUSR1, SIGTERM]): signals that save a checkpoint at the next step
+        boundary (every rank at the same step) and exit with status 75; `[]` leaves the signals' default actions.
+    check_disk (bool, defaults to True): at start-up, compare the checkpoints' size with the output dir's free space
+        (an error if not even one fits, a warning if not all kept ones do).
+    """
+
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    check_disk: bool = True
+
+
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": ParallelismArgs,
+            "run": RunArgs}
 
 
 @dataclass
@@ -146,6 +163,7 @@ class Recipe:
     data: DataArgs
     memory: MemoryArgs
     parallelism: ParallelismArgs
+    run: RunArgs
     trainer: dict  # DPOConfig keyword arguments (validated names, coerced types)
     path: str | None = None
 
@@ -285,7 +303,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
         if key not in dpo_fields:
             valid = list(dpo_fields) + list(SECTIONS)
             raise RecipeError(
-                f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory/parallelism).{_suggest(key, valid)}"
+                f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory/parallelism/run).{_suggest(key, valid)}"
             )
         trainer[key] = _coerce(value, dpo_fields[key].type, key)
     return Recipe(**sections, trainer=trainer, path=str(path) if path is not None else None)

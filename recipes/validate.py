@@ -45,6 +45,10 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     if mem.allocator_conf:
         allocator.parse(mem.allocator_conf)
     liger.check(t, cuda_available)
+    for name in recipe.run.save_on_signals:
+        if name not in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP"):
+            raise RecipeError(f"`run.save_on_signals`: {name!r} is not a signal a run can save on; use SIGUSR1, "
+                              "SIGUSR2, SIGTERM, SIGINT or SIGHUP.")
     check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
     for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps",
                 "profile_step"):

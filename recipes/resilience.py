@@ -1,0 +1,264 @@
+"""Long runs survive the cluster: save on preemption, resume only from complete checkpoints, check the disk, stop on
+a non-finite loss or gradient norm.
+
+Preemption. SIGUSR1 and SIGTERM (`run.save_on_signals`) only raise a flag; at the next optimizer-step boundary every
+rank agrees on it (one MAX all-reduce per step, shared with the non-finite check), the Trainer saves a checkpoint of
+that step, and the process exits with status 75 after writing `preempted.json` to the output dir.
+Resuming with `--resume_from_checkpoint auto` continues the same curve. The DeepSpeed launcher answers SIGTERM by
+terminating its ranks within 30 s, which a long-context step and a 12B save outlast: on SLURM ask for SIGUSR1 ahead
+of the time limit and keep the launcher from dying of it (launch/multinode/slurm_dpo.sh shows both).
+
+Complete checkpoints. After every rank has written its part of `checkpoint-N` (ZeRO shards included), rank 0 writes
+`checkpoint_complete.json`, the list of every file and its size, last. A checkpoint counts as complete when that
+record exists and every file in it is there with its size. Older checkpoints are rotated away (`save_total_limit`)
+only after the new one is complete. On resume the newest complete checkpoint is used; newer incomplete ones are moved
+aside to `incomplete-checkpoint-N` (kept, never deleted) and named in the log.
+
+Disk. At start-up, before any model is loaded: the size of one checkpoint (ZeRO-3: 16 bytes per parameter for the
+fp32 master weights, Adam moments and 16-bit states, plus the 16-bit model; one process: the weights plus two Adam
+moments in the parameter dtype) times the checkpoints kept, against the free space of the output dir. A warning
+when they will not all fit, an error when not even one does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+
+import torch
+from transformers import TrainerCallback
+
+from .config import RecipeError
+
+logger = logging.getLogger(__name__)
+COMPLETE = "checkpoint_complete.json"
+PREEMPTED = "preempted.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+# ---- complete checkpoints ------------------------------------------------------------------------------------------
+
+def mark_complete(folder: str) -> None:
+    """Record every file of a finished checkpoint with its size (written last, then renamed into place)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            if name != COMPLETE:
+                files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    tmp = os.path.join(folder, COMPLETE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, COMPLETE))
+
+
+def why_incomplete(folder: str) -> str | None:
+    """None when the checkpoint is complete, else what is missing (one phrase)."""
+    record = os.path.join(folder, COMPLETE)
+    if not os.path.exists(record):
+        return "no completion record (killed while saving?)"
+    try:
+        files = json.load(open(record))["files"]
+    except (ValueError, KeyError):
+        return "a damaged completion record"
+    for name, size in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, {size} were written"
+    return None
+
+
+def checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint-N folder, newest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
+             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return sorted(found, reverse=True)
+
+
+def last_complete(output_dir: str) -> str | None:
+    return next((path for _, path in checkpoints(output_dir) if why_incomplete(path) is None), None)
+
+
+def resolve_resume(requested, output_dir: str, is_main: bool) -> str | None:
+    """The checkpoint to resume from. `requested`: None (start fresh), True (the newest complete one; an error if
+    there is none), "auto" (the newest complete one, else start fresh) or a checkpoint folder (must be complete)."""
+    if requested is None:
+        return None
+    if requested not in (True, "auto"):
+        problem = why_incomplete(requested) if os.path.isdir(requested) else "it does not exist"
+        if problem:
+            newest = last_complete(os.path.dirname(os.path.abspath(requested)))
+            hint = f"resume from {newest}" if newest else "start without --resume_from_checkpoint"
+            raise RecipeError(f"Checkpoint {requested} is not complete ({problem}); {hint}.")
+        return requested
+    skipped = []
+    for _, path in checkpoints(output_dir):
+        problem = why_incomplete(path)
+        if problem is None:
+            if skipped and is_main:
+                _move_aside(skipped)
+            if is_main:
+                logger.info("resuming from %s", path)
+            return path
+        skipped.append((path, problem))
+    if skipped and is_main:
+        _move_aside(skipped)
+    if requested == "auto":
+        if is_main:
+            logger.info("no complete checkpoint in %s: starting from step 0", output_dir)
+        return None
+    found = f" (incomplete ones moved aside: {', '.join(p for p, _ in skipped)})" if skipped else ""
+    raise RecipeError(f"No complete checkpoint in {output_dir} to resume from{found}; start without "
+                      "--resume_from_checkpoint, or use `--resume_from_checkpoint auto` (resume if there is one).")
+
+
+def _move_aside(skipped: list[tuple[str, str]]) -> None:
+    for path, problem in skipped:
+        aside = os.path.join(os.path.dirname(path), "incomplete-" + os.path.basename(path))
+        while os.path.exists(aside):
+            aside += "-again"
+        os.rename(path, aside)
+        logger.warning("skipped %s: %s; moved aside to %s (nothing deleted)", path, problem, aside)
+
+
+def rotate(output_dir: str, keep: int | None) -> None:
+    """Keep the newest `keep` complete checkpoints (transformers' save_total_limit), after the new one is complete."""
+    if not keep:
+        return
+    complete = [path for _, path in checkpoints(output_dir) if why_incomplete(path) is None]
+    for path in complete[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- disk ----------------------------------------------------------------------------------------------------------
+
+def checkpoint_bytes(params: int, dtype_bytes: int, zero3: bool, with_optimizer: bool) -> float:
+    weights = params * dtype_bytes
+    if not with_optimizer:
+        return weights
+    return weights + (16 * params if zero3 else 2 * dtype_bytes * params)
+
+
+def checkpoints_kept(trainer: dict) -> int:
+    """How many checkpoints the run holds on disk at once (0 when it saves none)."""
+    strategy = str(trainer.get("save_strategy", "steps"))
+    if strategy == "no":
+        return 0
+    limit = trainer.get("save_total_limit")
+    max_steps = trainer.get("max_steps", -1)
+    saves = None
+    if strategy == "steps" and max_steps and max_steps > 0:
+        every = trainer.get("save_steps", 500)
+        every = every if every >= 1 else max(1, math.ceil(every * max_steps))  # a fraction of the run
+        saves = max(1, max_steps // every)
+    if limit:
+        return min(limit, saves) if saves else limit
+    return saves or 1
+
+
+def free_bytes(output_dir: str) -> int:
+    fault = os.environ.get("RECIPES_FAULT_FREE_DISK_BYTES")  # fault injection for the tests: a full disk
+    if fault:
+        return int(fault)
+    path = os.path.abspath(output_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_disk(output_dir: str, one_checkpoint: float, kept: int, final_weights: float) -> str | None:
+    """A RecipeError when not even one checkpoint (or the final model) fits; a warning line when all of them do
+    not; None when they do."""
+    free = free_bytes(output_dir)
+    first = one_checkpoint if kept else final_weights
+    total = kept * one_checkpoint + final_weights
+    if first > free:
+        what = "one checkpoint" if kept else "the final model"
+        raise RecipeError(f"{what} needs {first / 1e9:.1f} GB but {output_dir} has {free / 1e9:.1f} GB free; free "
+                          "space there or set `output_dir` to a larger disk.")
+    if total > free:
+        return (f"disk: {kept} checkpoint(s) of {one_checkpoint / 1e9:.1f} GB plus the final model "
+                f"({final_weights / 1e9:.1f} GB) need {total / 1e9:.1f} GB, {output_dir} has {free / 1e9:.1f} GB "
+                "free: lower `save_total_limit` or free space before the later saves")
+    return None
+
+
+# ---- preemption and non-finite values ------------------------------------------------------------------------------
+
+class ResilienceCallback(TrainerCallback):
+    """Saves and stops on a signal (all ranks at the same step); stops on a non-finite loss or gradient norm;
+    marks each checkpoint complete and rotates the old ones after it."""
+
+    def __init__(self, signals: list[str], keep: int | None):
+        self.keep = keep
+        self.signal_received: str | None = None
+        self.nonfinite: str | None = None  # "loss" or "gradient norm", on this rank, this step
+        self.preempted_at: int | None = None
+        self.stopped: tuple[int, str] | None = None  # (step, quantity)
+        for name in signals:
+            signal.signal(getattr(signal, name), self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.signal_received = signal.Signals(signum).name  # acted on at the next step boundary
+
+    def saw_loss(self, loss: torch.Tensor) -> None:
+        if not torch.isfinite(loss.detach()).all():
+            self.nonfinite = "loss"
+
+    def saw_grad_norm(self, grad_norm) -> None:
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            self.nonfinite = self.nonfinite or "gradient norm"
+
+    @staticmethod
+    def _any_rank(flags: list[float]) -> list[float]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flags
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor(flags, dtype=torch.float32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        fault = os.environ.get("RECIPES_FAULT_SIGNAL_AT_STEP", "")  # fault injection (the tests): "3:SIGUSR1"
+        if fault.partition(":")[0] == str(state.global_step) and state.is_world_process_zero:
+            os.killpg(os.getpgrp(), getattr(signal, fault.partition(":")[2]))  # the whole job, as SLURM signals it
+        codes = {None: 0.0, "loss": 1.0, "gradient norm": 2.0}
+        preempt, nonfinite = self._any_rank([float(self.signal_received is not None), codes[self.nonfinite]])
+        if nonfinite:  # stop here, save nothing: the weights may already hold the bad update
+            self.stopped = (state.global_step, "loss" if nonfinite == 1.0 else "gradient norm")
+            control.should_training_stop = True
+            control.should_save = False
+        elif preempt:
+            self.preempted_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's files (ZeRO shards) are written
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if state.is_world_process_zero and os.path.isdir(folder):
+            mark_complete(folder)
+            rotate(args.output_dir, self.keep)
+            if self.preempted_at is not None:
+                with open(os.path.join(args.output_dir, PREEMPTED), "w") as f:
+                    json.dump({"step": state.global_step, "signal": self.signal_received, "checkpoint": folder}, f)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return control

@@ -1,0 +1,139 @@
+"""Long runs survive the cluster: save on a signal and resume the same curve, skip half-written checkpoints, check
+the disk before loading anything, stop on a non-finite loss (recipes/resilience.py)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from conftest import BIN, ROOT, TRAIN, ZERO3, free_port, run_train, summary
+
+from recipes import resilience
+from recipes.config import RecipeError
+from recipes.distributed import run_job
+
+ARGS = ["--max_steps", "6", "--save_steps", "2", "--report_to", "none"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run every interrupted one must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    run_train(out, *ARGS)
+    return out
+
+
+def steps_ran(out) -> list[int]:
+    return [json.loads(line)["step"] for line in open(os.path.join(out, "memory.jsonl"))]
+
+
+def test_every_saved_checkpoint_is_marked_complete(straight):
+    for step in (2, 4, 6):
+        assert resilience.why_incomplete(os.path.join(straight, f"checkpoint-{step}")) is None
+
+
+def test_sigterm_saves_at_that_step_exits_75_and_resume_continues_the_curve(straight, tmp_path):
+    proc = run_train(tmp_path, *ARGS, check=False, env={"RECIPES_FAULT_SIGNAL_AT_STEP": "3:SIGTERM"})
+    assert proc.returncode == 75, proc.stdout[-3000:]
+    assert "SIGTERM received: saved checkpoint-3 and stopped" in proc.stdout
+    assert json.load(open(tmp_path / "preempted.json"))["step"] == 3
+    assert resilience.why_incomplete(str(tmp_path / "checkpoint-3")) is None
+    assert not (tmp_path / "model.safetensors").exists()  # no final model: the run is not finished
+    run_train(tmp_path, *ARGS, "--resume_from_checkpoint", "auto")
+    assert steps_ran(tmp_path) == [1, 2, 3, 4, 5, 6]  # 1-3 before the signal, 4-6 after, none twice
+    assert summary(tmp_path)["losses"] == pytest.approx(summary(straight)["losses"], abs=1e-6)
+    assert not (tmp_path / "preempted.json").exists()
+
+
+def test_half_written_checkpoint_is_skipped_and_kept(straight, tmp_path):
+    for step in (2, 4, 6):
+        shutil.copytree(straight / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
+    half = tmp_path / "checkpoint-6"  # killed while saving: no weights, no trainer state, no completion record
+    for name in ("model.safetensors", "trainer_state.json", resilience.COMPLETE):
+        (half / name).unlink()
+    proc = run_train(tmp_path, *ARGS, "--resume_from_checkpoint", str(half), check=False)
+    assert proc.returncode == 2 and "is not complete (no completion record" in proc.stdout
+    assert "resume from " + str(tmp_path / "checkpoint-4") in proc.stdout and "Traceback" not in proc.stdout
+    proc = run_train(tmp_path, *ARGS, "--resume_from_checkpoint", "true")
+    assert f"skipped {half}: no completion record" in proc.stdout
+    assert (tmp_path / "incomplete-checkpoint-6" / "optimizer.pt").exists()  # moved aside, nothing deleted
+    assert steps_ran(tmp_path) == [5, 6]
+    assert summary(tmp_path)["losses"] == pytest.approx(summary(straight)["losses"], abs=1e-6)
+
+
+def test_resume_true_without_a_complete_checkpoint_is_one_line(tmp_path):
+    proc = run_train(tmp_path, *ARGS, "--resume_from_checkpoint", "true", check=False)
+    assert proc.returncode == 2 and "No complete checkpoint in" in proc.stdout and "Traceback" not in proc.stdout
+
+
+def test_nan_loss_stops_at_that_step_and_names_the_last_checkpoint(tmp_path):
+    proc = run_train(tmp_path, *ARGS, check=False, env={"RECIPES_FAULT_NAN_AT_STEP": "3"})
+    assert proc.returncode == 4, proc.stdout[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("error:")]
+    assert line == [f"error: step 3: the loss is not finite; stopped there and saved nothing. Last complete "
+                    f"checkpoint: {tmp_path / 'checkpoint-2'} (resume from it with `--resume_from_checkpoint "
+                    f"{tmp_path / 'checkpoint-2'}`, e.g. with a lower learning_rate)."]
+    assert not (tmp_path / "checkpoint-3").exists() and not (tmp_path / "model.safetensors").exists()
+    assert resilience.why_incomplete(str(tmp_path / "checkpoint-2")) is None
+
+
+def test_disk_too_small_for_one_checkpoint_stops_before_loading(tmp_path):
+    proc = run_train(tmp_path, *ARGS, check=False, env={"RECIPES_FAULT_FREE_DISK_BYTES": "1000000"})
+    assert proc.returncode == 2
+    assert "error: one checkpoint needs 0.0 GB but" in proc.stdout and "set `output_dir` to a larger disk" in proc.stdout
+    assert not (tmp_path / "memory.jsonl").exists()  # nothing ran
+
+
+def test_disk_arithmetic(monkeypatch):
+    p = 12_250_000_000  # Mistral-NeMo 12B
+    one = resilience.checkpoint_bytes(p, 2, zero3=True, with_optimizer=True)
+    assert one / 1e9 == pytest.approx(220.5)  # 16 B/param of ZeRO states + the 16-bit model
+    assert resilience.checkpoint_bytes(p, 2, zero3=False, with_optimizer=False) == 2 * p
+    assert resilience.checkpoints_kept({"save_strategy": "no"}) == 0
+    assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 10, "save_total_limit": 2}) == 2
+    assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 10}) == 10
+    assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 0.25}) == 4
+    monkeypatch.setenv("RECIPES_FAULT_FREE_DISK_BYTES", str(int(500e9)))
+    assert resilience.check_disk("/tmp/x", one, 1, 2 * p) is None
+    warning = resilience.check_disk("/tmp/x", one, 3, 2 * p)
+    assert "3 checkpoint(s) of 220.5 GB" in warning and "lower `save_total_limit`" in warning
+    with pytest.raises(RecipeError, match="one checkpoint needs 661.5 GB but /tmp/x has 500.0 GB"):
+        resilience.check_disk("/tmp/x", one * 3, 1, 0)
+
+
+def test_zero3_sigusr1_saves_every_rank_at_one_step_and_resumes_the_curve(tmp_path):
+    """2 processes, ZeRO-3 over gloo, launched as the SLURM example launches (the launcher ignores SIGUSR1); the
+    signal goes to every process of the job at step 3. Then a ZeRO shard goes missing from the newest checkpoint:
+    resume skips it and continues from the one before, on the same curve."""
+    args = [*ARGS, "--per_device_train_batch_size", "2", "--recipe", os.path.join(ROOT, "recipes", "tiny_mistral",
+                                                                                  "dpo_quickstart.yaml")]
+
+    def launch(out, *extra, env=None):
+        cmd = (f"trap '' USR1; exec {os.path.join(BIN, 'deepspeed')} --num_gpus 2 --master_port {free_port()} "
+               f"{TRAIN} {ZERO3} --output_dir {out} {' '.join(args)} {' '.join(extra)}")
+        full_env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        return run_job(["bash", "-c", cmd], 300, cwd=ROOT, env=full_env, stderr=subprocess.STDOUT)
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert launch(straight).returncode == 0
+    proc = launch(cut, env={"RECIPES_FAULT_SIGNAL_AT_STEP": "3:SIGUSR1"})
+    assert proc.returncode == 75, proc.stdout[-3000:]
+    assert json.load(open(cut / "preempted.json"))["step"] == 3
+    shards = sorted(os.listdir(cut / "checkpoint-3" / "global_step3"))
+    assert sum("optim_states" in name for name in shards) == 2  # both ranks' optimizer shards, complete
+    assert resilience.why_incomplete(str(cut / "checkpoint-3")) is None
+    damaged = tmp_path / "damaged"
+    shutil.copytree(cut, damaged)
+    assert launch(cut, "--resume_from_checkpoint", "auto").returncode == 0
+    assert steps_ran(cut) == [1, 2, 3, 4, 5, 6]
+    assert summary(cut)["losses"] == pytest.approx(summary(straight)["losses"], abs=1e-5)
+
+    shard = next(n for n in shards if "optim_states" in n and "rank_1" in n)
+    (damaged / "checkpoint-3" / "global_step3" / shard).unlink()
+    assert resilience.why_incomplete(str(damaged / "checkpoint-3")) == f"global_step3/{shard} is missing"
+    proc = launch(damaged, "--resume_from_checkpoint", "auto")
+    assert proc.returncode == 0 and "moved aside to" in proc.stdout
+    assert steps_ran(damaged)[-4:] == [3, 4, 5, 6]  # from checkpoint-2
+    assert summary(damaged)["losses"] == pytest.approx(summary(straight)["losses"], abs=1e-5)
