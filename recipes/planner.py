@@ -89,6 +89,8 @@ class Plan:
     gpu_memory_gb: float | None = None
     host_memory_gb: float | None = None  # per node
     suggestions: list = field(default_factory=list)  # (change, predicted reserved GB, host GB per node)
+    checkpoint_gb: float | None = None  # one checkpoint on disk (recipes/resilience.py)
+    checkpoints_kept: int = 0
 
     def limits(self):
         """(predicted, limit, where) for each limit that was given."""
@@ -295,8 +297,14 @@ def suggest(s: Setup, gpu_memory_gb: float | None, cal: dict | None = None,
 
 def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1, ds_config: dict | None = None,
          host_memory_gb: float | None = None) -> Plan:
+    from . import resilience
+
     s = setup_from_recipe(recipe, gpus, nodes, ds_config)
     result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
+    t = recipe.trainer
+    result.checkpoint_gb = round(resilience.checkpoint_bytes(s.params, 4 if recipe.model.dtype == "float32" else 2,
+                                                             s.zero3, not t.get("save_only_model")) / GB, 1)
+    result.checkpoints_kept = resilience.checkpoints_kept(t)
     if result.fits is False:
         result.suggestions = suggest(s, gpu_memory_gb, host_memory_gb=host_memory_gb)
     return result
@@ -310,6 +318,9 @@ def render(result: Plan) -> str:
               f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
               f"  {'host memory per node (offloads)':<38} {result.host_per_node_gb:8.1f} GB",
               f"  calibrated from: {result.calibrated_from}"]
+    if result.checkpoint_gb is not None:
+        lines.insert(-1, f"  {'one checkpoint on disk':<38} {result.checkpoint_gb:8.1f} GB "
+                         f"(this recipe keeps {result.checkpoints_kept})")
     for used, limit, where in result.limits():
         lines.append(f"  verdict: {'FITS' if used <= limit else 'DOES NOT FIT'} in {limit:g} GB {where}")
     if result.fits is False:

@@ -110,6 +110,11 @@ def test_cli_verdicts():
 
     fits = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB")
     assert fits.returncode == 0 and "verdict: FITS in 80 GB" in fits.stdout
+    # 12.2 B parameters x (16 B of ZeRO-3 states + 2 B of 16-bit weights)
+    assert "one checkpoint on disk                    220.5 GB (this recipe keeps 0)" in fits.stdout
+    saving = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--save_strategy", "steps", "--save_steps", "5",
+                 "--save_total_limit", "2")
+    assert "220.5 GB (this recipe keeps 2)" in saving.stdout
     too_big = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB",
                   "--max_length", "65536", "--activation_offloading", "false", "--memory.checkpointing", "layer")
     assert too_big.returncode == 1 and "DOES NOT FIT" in too_big.stdout
