@@ -17,6 +17,7 @@ python3 -c "import trl, deepspeed" 2>/dev/null || source launch/gpu_env.sh
 'transformers', transformers.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__,
 'accelerate', accelerate.__version__, 'datasets', d.__version__)" 2>&1 | grep -v Warning
     echo "command: bash launch/gpu_acceptance.sh $*"
+    [ -n "${GPU_ACCEPTANCE_ONLY:-}" ] && echo "SUBSET of the suite: GPU_ACCEPTANCE_ONLY=$GPU_ACCEPTANCE_ONLY (runs whose names contain these, and stock)"
 } > "$LOG"
 export GPU_ACCEPTANCE_OUT=${GPU_ACCEPTANCE_OUT:-/tmp/gpu_acceptance}
 python3 -m pytest tests/gpu -m gpu -vv -s -rfE 2>&1 | tee -a "$LOG"
