@@ -44,6 +44,8 @@ def parse_cli(argv: list[str]) -> dict:
     while i < len(argv):
         arg = argv[i]
         i += 1
+        if arg in ("--help", "-h"):
+            raise HelpRequested()
         if not arg.startswith("--"):
             if not arg.endswith(".json"):
                 raise RecipeError(f"Unexpected argument {arg!r}: overrides are `--key value` (e.g. `--max_steps 10`).")
@@ -303,6 +305,17 @@ def main(argv: list[str] | None = None) -> dict:
 EXIT_PREEMPTED = 75  # saved and stopped on a signal (recipes/resilience.py); the SLURM example requeues on it
 
 
+class HelpRequested(Exception):
+    """`--help`: print the usage and exit 0."""
+
+
+HELP = __doc__ + """
+Recipe keys: the top level takes every trl.DPOConfig field; the sections are documented field by field in
+recipes/config.py: model: (ModelArgs), data: (DataArgs), memory: (MemoryArgs), parallelism: (ParallelismArgs),
+run: (RunArgs). Shipped recipes: recipes/tiny_mistral/, recipes/nemotron12b/. Will it fit: launch/plan_memory.py.
+"""
+
+
 class OutOfMemory(Exception):
     """A CUDA OOM during training, with the report that says what would have fitted."""
 
@@ -440,7 +453,11 @@ def _distributed():
 
 def run() -> int:
     try:
-        summary = main()
+        try:
+            summary = main()
+        except HelpRequested:
+            print(HELP)
+            return 0
         if dist := _distributed():
             dist.barrier()  # no rank tears the process group down while another still uses it
         if "preempted_at" in summary:

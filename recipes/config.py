@@ -277,9 +277,14 @@ def read_raw(path: str | os.PathLike | None, overrides: dict | None = None) -> d
         path = Path(path)
         if not path.is_file():
             raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass an existing YAML with `--recipe`.")
+        text = path.read_text()
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
+            tabs = [n for n, line in enumerate(text.splitlines(), 1) if "\t" in line[:len(line) - len(line.lstrip())]]
+            if tabs:
+                raise RecipeError(f"Recipe {str(path)!r} indents line {tabs[0]} with a tab: indent YAML with spaces."
+                                  ) from None
             raise RecipeError(f"Recipe {str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise RecipeError(f"Recipe {str(path)!r} must be a YAML mapping of keys.")

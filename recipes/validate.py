@@ -75,6 +75,12 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
             raise RecipeError("`memory.sgd_in_backward` updates inside backward, so it needs "
                               "`gradient_accumulation_steps: 1`.")
 
+    if t.get("bf16") and t.get("fp16"):
+        raise RecipeError("`bf16: true` and `fp16: true` are both set; keep one (bf16 on H100/H200).")
+    mixed = "bf16" if t.get("bf16") else "fp16" if t.get("fp16") else None
+    if mixed and recipe.model.dtype in ("bfloat16", "float16") and recipe.model.dtype[0] != mixed[0]:
+        raise RecipeError(f"`model.dtype: {recipe.model.dtype}` with `{mixed}: true` mixes two 16-bit formats; set "
+                          f"`model.dtype: {'bfloat16' if mixed == 'bf16' else 'float16'}` or the other precision flag.")
     # Precision: DPOConfig defaults to bf16, which a CPU-only machine refuses.
     if not cuda_available and (t.get("bf16") or t.get("fp16")):
         raise RecipeError("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")

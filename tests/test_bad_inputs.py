@@ -46,11 +46,18 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--memory.sgd_in_backward", "true", "--deepspeed", "ds_configs/zero3.json"], "single process"),
     (["--memory.allocator_conf", "max_split_size_mb=64"], "malformed; write `key:value`"),
     (["--use_liger_kernel", "true"], "needs a CUDA GPU.*set `use_liger_kernel: false`"),
+    (["--bf16", "true", "--fp16", "true"], "both set; keep one"),
     (["--memory.profile_step", "-1"], "`memory.profile_step` must be >= 0"),
 ])
 def test_bad_recipe_values(argv, message):
     with pytest.raises(RecipeError, match=message):
         check(*argv)
+
+
+def test_16_bit_formats_are_not_mixed(gpu_packages):
+    with pytest.raises(RecipeError, match="`model.dtype: float16` with `bf16: true` mixes two 16-bit formats"):
+        check("--model.dtype", "float16", "--bf16", "true", cuda=True, recipe="recipes/nemotron12b/dpo_12k.yaml")
+    check("--model.dtype", "bfloat16", "--bf16", "true", cuda=True, world_size=8, recipe="recipes/nemotron12b/dpo_12k.yaml")
 
 
 def test_global_batch_checked_against_ranks(gpu_packages):
@@ -70,6 +77,21 @@ def test_recipe_file_problems(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(RecipeError, match="must be a YAML mapping"):
         load_recipe(bad)
+    bad.write_text("model:\n  dtype: float32\nmemory:\n\tlean_norm: true\n")
+    with pytest.raises(RecipeError, match="indents line 4 with a tab: indent YAML with spaces"):
+        load_recipe(bad)
+
+
+def test_help_prints_the_usage_and_exits_0():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_dpo.py"), "--help"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stderr == ""
+    for text in ("deepspeed --num_gpus 8 launch/train_dpo.py", "accelerate launch", "--resume_from_checkpoint",
+                 "Exit status", "recipes/config.py"):
+        assert text in proc.stdout, text
 
 
 def test_invalid_deepspeed_json(tmp_path):
