@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 
 from . import allocator
 from .config import MemoryArgs
+from .distributed import max_over_ranks
 
 logger = logging.getLogger(__name__)
 GB = 1e9
@@ -67,16 +68,6 @@ class MemoryCallback(TrainerCallback):
     @staticmethod
     def _cuda() -> bool:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-    def _max_over_ranks(self, values: list[float]) -> list[float]:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return values
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
 
     # -- events --------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -158,7 +149,7 @@ class MemoryCallback(TrainerCallback):
                 peak_res = max(peak_res, self._phase_peaks[0][1] / GB)
             retries, ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
         values = [peak_alloc, peak_res, peak_res - peak_alloc, retries, ooms, rss, pinned or 0.0, elapsed]
-        reduced = dict(zip(_REDUCED, self._max_over_ranks(values)))
+        reduced = dict(zip(_REDUCED, max_over_ranks(values)))
         tokens = state.num_input_tokens_seen - self._tokens_at_start  # gathered over ranks by the Trainer
         record = {"step": state.global_step, **{k: round(v, 4) for k, v in reduced.items()},
                   **self._split_peaks(), **self._offloaded(),
@@ -184,7 +175,7 @@ class MemoryCallback(TrainerCallback):
         if self._phase_peaks is None:
             return {}
         (alloc_before, res_before), (alloc_during, res_during) = self._phase_peaks
-        values = self._max_over_ranks([alloc_before / GB, res_before / GB, alloc_during / GB, res_during / GB])
+        values = max_over_ranks([alloc_before / GB, res_before / GB, alloc_during / GB, res_during / GB])
         keys = ("activation_peak_allocated_gb", "activation_peak_reserved_gb",
                 "optimizer_peak_allocated_gb", "optimizer_peak_reserved_gb")
         return {k: round(v, 4) for k, v in zip(keys, values)}

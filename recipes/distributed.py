@@ -82,3 +82,17 @@ def run_job(cmd: list[str], timeout: float, **popen_kwargs) -> subprocess.Comple
             out, err = proc.communicate()
             return subprocess.CompletedProcess(cmd, 124, out, err)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise MAX of `values` over every rank (one all-reduce; a CUDA tensor under NCCL); as given in one
+    process."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

@@ -34,6 +34,7 @@ import torch
 from transformers import TrainerCallback
 
 from .config import RecipeError
+from .distributed import max_over_ranks
 
 logger = logging.getLogger(__name__)
 COMPLETE = "checkpoint_complete.json"
@@ -220,23 +221,12 @@ class ResilienceCallback(TrainerCallback):
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
             self.nonfinite = self.nonfinite or "gradient norm"
 
-    @staticmethod
-    def _any_rank(flags: list[float]) -> list[float]:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flags
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor(flags, dtype=torch.float32, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
-
     def on_step_end(self, args, state, control, **kwargs):
         fault = os.environ.get("RECIPES_FAULT_SIGNAL_AT_STEP", "")  # fault injection (the tests): "3:SIGUSR1"
         if fault.partition(":")[0] == str(state.global_step) and state.is_world_process_zero:
             os.killpg(os.getpgrp(), getattr(signal, fault.partition(":")[2]))  # the whole job, as SLURM signals it
         codes = {None: 0.0, "loss": 1.0, "gradient norm": 2.0}
-        preempt, nonfinite = self._any_rank([float(self.signal_received is not None), codes[self.nonfinite]])
+        preempt, nonfinite = max_over_ranks([float(self.signal_received is not None), codes[self.nonfinite]])
         if nonfinite:  # stop here, save nothing: the weights may already hold the bad update
             self.stopped = (state.global_step, "loss" if nonfinite == 1.0 else "gradient norm")
             control.should_training_stop = True
