@@ -412,9 +412,8 @@ def preflight(recipe, world_size: int, enforce: bool):
 
 def oom_report(error, recipe, world_size, memory_callback, output_dir) -> str:
     import torch
-    from transformers.trainer_utils import get_last_checkpoint
 
-    from recipes import planner
+    from recipes import planner, resilience
 
     lines = [f"CUDA out of memory during training: {str(error).splitlines()[0]}", "last steps' telemetry:"]
     lines += [f"  {json.dumps(r)}" for r in memory_callback.records[-3:]] or ["  (no step completed)"]
@@ -430,7 +429,7 @@ def oom_report(error, recipe, world_size, memory_callback, output_dir) -> str:
         lines.append("planner for this recipe:\n" + planner.render(_planned(recipe, world_size, budget)))
     except (AttributeError, KeyError, TypeError):
         lines.append("planner: cannot model this run")
-    ckpt = os.path.isdir(output_dir) and get_last_checkpoint(output_dir)
+    ckpt = resilience.last_complete(output_dir)
     lines.append(f"last saved checkpoint (intact): {ckpt}" if ckpt else "no checkpoint had been saved yet")
     return "\n".join(lines)
 

@@ -133,13 +133,16 @@ def _move_aside(skipped: list[tuple[str, str]]) -> None:
         logger.warning("skipped %s: %s; moved aside to %s (nothing deleted)", path, problem, aside)
 
 
-def rotate(output_dir: str, keep: int | None) -> None:
-    """Keep the newest `keep` complete checkpoints (transformers' save_total_limit), after the new one is complete."""
+def rotate(output_dir: str, keep: int | None, best: str | None = None) -> None:
+    """Keep the newest `keep` complete checkpoints (transformers' save_total_limit), after the new one is complete,
+    and, as transformers does, the best one (load_best_model_at_end) besides."""
     if not keep:
         return
     complete = [path for _, path in checkpoints(output_dir) if why_incomplete(path) is None]
+    best = os.path.abspath(best) if best else None
     for path in complete[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.abspath(path) != best:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # ---- disk ----------------------------------------------------------------------------------------------------------
@@ -204,7 +207,8 @@ class ResilienceCallback(TrainerCallback):
     def __init__(self, signals: list[str], keep: int | None):
         self.keep = keep
         self.signal_received: str | None = None
-        self.nonfinite: str | None = None  # "loss" or "gradient norm", on this rank, this step
+        self.nonfinite: str | None = None  # "gradient norm", on this rank, this step
+        self._loss_bad: torch.Tensor | None = None  # any non-finite loss this step, read at the step's end (no sync)
         self.preempted_at: int | None = None
         self.stopped: tuple[int, str] | None = None  # (step, quantity)
         for name in signals:
@@ -214,8 +218,8 @@ class ResilienceCallback(TrainerCallback):
         self.signal_received = signal.Signals(signum).name  # acted on at the next step boundary
 
     def saw_loss(self, loss: torch.Tensor) -> None:
-        if not torch.isfinite(loss.detach()).all():
-            self.nonfinite = "loss"
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
 
     def saw_grad_norm(self, grad_norm) -> None:
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
@@ -225,6 +229,9 @@ class ResilienceCallback(TrainerCallback):
         fault = os.environ.get("RECIPES_FAULT_SIGNAL_AT_STEP", "")  # fault injection (the tests): "3:SIGUSR1"
         if fault.partition(":")[0] == str(state.global_step) and state.is_world_process_zero:
             os.killpg(os.getpgrp(), getattr(signal, fault.partition(":")[2]))  # the whole job, as SLURM signals it
+        if self._loss_bad is not None and bool(self._loss_bad):
+            self.nonfinite = "loss"
+        self._loss_bad = None
         codes = {None: 0.0, "loss": 1.0, "gradient norm": 2.0}
         preempt, nonfinite = max_over_ranks([float(self.signal_received is not None), codes[self.nonfinite]])
         if nonfinite:  # stop here, save nothing: the weights may already hold the bad update
@@ -245,7 +252,7 @@ class ResilienceCallback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if state.is_world_process_zero and os.path.isdir(folder):
             mark_complete(folder)
-            rotate(args.output_dir, self.keep)
+            rotate(args.output_dir, self.keep, state.best_model_checkpoint)
             if self.preempted_at is not None:
                 with open(os.path.join(args.output_dir, PREEMPTED), "w") as f:
                     json.dump({"step": state.global_step, "signal": self.signal_received, "checkpoint": folder}, f)

@@ -137,3 +137,13 @@ def test_zero3_sigusr1_saves_every_rank_at_one_step_and_resumes_the_curve(tmp_pa
     assert proc.returncode == 0 and "moved aside to" in proc.stdout
     assert steps_ran(damaged)[-4:] == [3, 4, 5, 6]  # from checkpoint-2
     assert summary(damaged)["losses"] == pytest.approx(summary(straight)["losses"], abs=1e-5)
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints_and_the_best(straight, tmp_path):
+    for step in (2, 4, 6):
+        shutil.copytree(straight / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
+    (tmp_path / "checkpoint-6" / resilience.COMPLETE).unlink()  # incomplete: does not count, is not deleted
+    resilience.rotate(str(tmp_path), 1, best=str(tmp_path / "checkpoint-2"))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    resilience.rotate(str(tmp_path), 1)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
