@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory.memory_cap_gb * 1e9 / total), args.device)
 
     resume = _resolve_resume(cli["resume"], args.output_dir, is_main)
-    guard = resilience.ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints)
+    guard = resilience.ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints, recipe.run.on_nonfinite)
 
     # ---- 4. data -------------------------------------------------------------------------------------------------
     tokenizer = load_tokenizer(recipe.model)
@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
         "world_size": args.world_size,
         "sequence_parallel": {"sp_size": recipe.parallelism.sp_size, "dp_size": dp_size},
         "length_report": report,
+        "skipped_steps": [{"step": step, "quantity": quantity} for step, quantity in guard.skipped],
         "wrapped": wrapped,
         "allocator": memory_callback.allocator,
         "built_partitioned": built_partitioned,

@@ -147,10 +147,13 @@ class RunArgs:
         boundary (every rank at the same step) and exit with status 75; `[]` leaves the signals' default actions.
     check_disk (bool, defaults to True): at start-up, compare the checkpoints' size with the output dir's free space
         (an error if not even one fits, a warning if not all kept ones do).
+    on_nonfinite (str, defaults to "stop"): a non-finite loss or gradient norm on any rank either stops the run at
+        that step (`stop`, exit status 4) or leaves that step's update out and goes on (`skip`, logged per step).
     """
 
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
     check_disk: bool = True
+    on_nonfinite: str = "stop"
 
 
 SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": ParallelismArgs,

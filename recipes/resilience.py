@@ -200,12 +200,30 @@ def check_disk(output_dir: str, one_checkpoint: float, kept: int, final_weights:
 
 # ---- preemption and non-finite values ------------------------------------------------------------------------------
 
-class ResilienceCallback(TrainerCallback):
-    """Saves and stops on a signal (all ranks at the same step); stops on a non-finite loss or gradient norm;
-    marks each checkpoint complete and rotates the old ones after it."""
+_CODES = {None: 0.0, "gradient norm": 1.0, "loss": 2.0}  # MAX over ranks: a bad loss (the cause) outranks its norm
 
-    def __init__(self, signals: list[str], keep: int | None):
+
+def _innermost_is_deepspeed(optimizer) -> bool:
+    while optimizer is not None:
+        if type(optimizer).__module__.startswith("deepspeed"):
+            return True
+        optimizer = getattr(optimizer, "optimizer", None)
+    return False
+
+
+class ResilienceCallback(TrainerCallback):
+    """Saves and stops on a signal (all ranks at the same step); on a non-finite loss or gradient norm stops, or with
+    `skip` leaves that step's update out; marks each checkpoint complete and rotates the old ones after it.
+
+    Skipping: without DeepSpeed the step's gradients are dropped before the optimizer step (every rank agrees
+    first), so neither weights nor optimizer state move. DeepSpeed ZeRO-3 (0.19) already discards an update whose
+    global gradient norm is not finite (stage3.py `step`: an invalid norm counts as an overflow, the gradients are
+    cleared); a non-finite loss there is skipped the same way once its gradients are non-finite, as a NaN loss's are."""
+
+    def __init__(self, signals: list[str], keep: int | None, on_nonfinite: str = "stop"):
         self.keep = keep
+        self.skip = on_nonfinite == "skip"
+        self.skipped: list[tuple[int, str]] = []  # (step, quantity) left out with `skip`
         self.signal_received: str | None = None
         self.nonfinite: str | None = None  # "gradient norm", on this rank, this step
         self._loss_bad: torch.Tensor | None = None  # any non-finite loss this step, read at the step's end (no sync)
@@ -225,20 +243,38 @@ class ResilienceCallback(TrainerCallback):
         if grad_norm is not None and not math.isfinite(float(grad_norm)):
             self.nonfinite = self.nonfinite or "gradient norm"
 
+    def _local_nonfinite(self) -> str | None:
+        if self._loss_bad is not None and bool(self._loss_bad):
+            self.nonfinite = "loss"
+        self._loss_bad = None
+        return self.nonfinite
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if not self.skip or _innermost_is_deepspeed(optimizer):  # DeepSpeed's step already ran, in backward
+            return control
+        (bad,) = max_over_ranks([_CODES[self._local_nonfinite()]])
+        if bad:
+            optimizer.zero_grad(set_to_none=True)  # parameters without gradients are not updated
+        return control
+
     def on_step_end(self, args, state, control, **kwargs):
         fault = os.environ.get("RECIPES_FAULT_SIGNAL_AT_STEP", "")  # fault injection (the tests): "3:SIGUSR1"
         if fault.partition(":")[0] == str(state.global_step) and state.is_world_process_zero:
             os.killpg(os.getpgrp(), getattr(signal, fault.partition(":")[2]))  # the whole job, as SLURM signals it
-        if self._loss_bad is not None and bool(self._loss_bad):
-            self.nonfinite = "loss"
-        self._loss_bad = None
-        codes = {None: 0.0, "loss": 1.0, "gradient norm": 2.0}
-        preempt, nonfinite = max_over_ranks([float(self.signal_received is not None), codes[self.nonfinite]])
-        if nonfinite:  # stop here, save nothing: the weights may already hold the bad update
-            self.stopped = (state.global_step, "loss" if nonfinite == 1.0 else "gradient norm")
+        preempt, nonfinite = max_over_ranks([float(self.signal_received is not None),
+                                             _CODES[self._local_nonfinite()]])
+        self.nonfinite = None
+        quantity = "loss" if nonfinite == 2.0 else "gradient norm"
+        if nonfinite and self.skip:
+            self.skipped.append((state.global_step, quantity))
+            if state.is_world_process_zero:
+                logger.warning("step %d: the %s is not finite; its update was left out (run.on_nonfinite: skip)",
+                               state.global_step, quantity)
+        elif nonfinite:  # stop here, save nothing: the weights may already hold the bad update
+            self.stopped = (state.global_step, quantity)
             control.should_training_stop = True
             control.should_save = False
-        elif preempt:
+        if preempt and not self.stopped:
             self.preempted_at = state.global_step
             control.should_save = True
             control.should_training_stop = True

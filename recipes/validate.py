@@ -45,6 +45,11 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     if mem.allocator_conf:
         allocator.parse(mem.allocator_conf)
     liger.check(t, cuda_available)
+    if recipe.run.on_nonfinite not in ("stop", "skip"):
+        raise RecipeError(f"`run.on_nonfinite` must be stop or skip, got {recipe.run.on_nonfinite!r}.")
+    if recipe.run.on_nonfinite == "skip" and mem.sgd_in_backward:
+        raise RecipeError("`run.on_nonfinite: skip` cannot skip updates that `memory.sgd_in_backward` applies inside "
+                          "backward; use `run.on_nonfinite: stop`.")
     for name in recipe.run.save_on_signals:
         if name not in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP"):
             raise RecipeError(f"`run.save_on_signals`: {name!r} is not a signal a run can save on; use SIGUSR1, "

@@ -47,6 +47,9 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--memory.allocator_conf", "max_split_size_mb=64"], "malformed; write `key:value`"),
     (["--use_liger_kernel", "true"], "needs a CUDA GPU.*set `use_liger_kernel: false`"),
     (["--bf16", "true", "--fp16", "true"], "both set; keep one"),
+    (["--run.on_nonfinite", "ignore"], "`run.on_nonfinite` must be stop or skip"),
+    (["--run.on_nonfinite", "skip", "--memory.sgd_in_backward", "true"], "use `run.on_nonfinite: stop`"),
+    (["--run.save_on_signals", "[SIGKILL]"], "not a signal a run can save on"),
     (["--memory.profile_step", "-1"], "`memory.profile_step` must be >= 0"),
 ])
 def test_bad_recipe_values(argv, message):

@@ -2,6 +2,7 @@
 the disk before loading anything, stop on a non-finite loss (recipes/resilience.py)."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -78,6 +79,24 @@ def test_nan_loss_stops_at_that_step_and_names_the_last_checkpoint(tmp_path):
     assert resilience.why_incomplete(str(tmp_path / "checkpoint-2")) is None
 
 
+def same_weights(a, b) -> bool:
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
+    return wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
+
+
+def test_skip_leaves_the_nonfinite_step_out_and_goes_on(tmp_path):
+    proc = run_train(tmp_path, "--max_steps", "4", "--save_steps", "1", "--report_to", "none",
+                     "--run.on_nonfinite", "skip", env={"RECIPES_FAULT_NAN_AT_STEP": "3"})
+    assert "step 3: the loss is not finite; its update was left out" in proc.stdout
+    assert summary(tmp_path)["skipped_steps"] == [{"step": 3, "quantity": "loss"}]
+    assert same_weights(tmp_path / "checkpoint-2", tmp_path / "checkpoint-3")  # no update at step 3
+    assert not same_weights(tmp_path / "checkpoint-3", tmp_path / "checkpoint-4")  # step 4 trains again
+    losses = summary(tmp_path)["losses"]
+    assert len(losses) == 4 and math.isfinite(losses[3])
+
+
 def test_disk_too_small_for_one_checkpoint_stops_before_loading(tmp_path):
     proc = run_train(tmp_path, *ARGS, check=False, env={"RECIPES_FAULT_FREE_DISK_BYTES": "1000000"})
     assert proc.returncode == 2
@@ -147,3 +166,14 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_the_best(straight, t
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     resilience.rotate(str(tmp_path), 1)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_zero3_skip_leaves_the_nonfinite_step_out(tmp_path):
+    """2 processes, ZeRO-3 over gloo: a NaN loss at step 3 on every rank; DeepSpeed discards that update (its
+    gradient norm is not finite) and training goes on."""
+    run_train(tmp_path, "--max_steps", "4", "--save_steps", "1", "--report_to", "none", "--run.on_nonfinite", "skip",
+              "--per_device_train_batch_size", "2", launcher="deepspeed", procs=2,
+              env={"RECIPES_FAULT_NAN_AT_STEP": "3"})
+    assert summary(tmp_path)["skipped_steps"] == [{"step": 3, "quantity": "loss"}]
+    assert same_weights(tmp_path / "checkpoint-2", tmp_path / "checkpoint-3")
+    assert not same_weights(tmp_path / "checkpoint-3", tmp_path / "checkpoint-4")
