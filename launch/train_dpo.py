@@ -96,10 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
     from recipes import lean_lm_head, liger, resilience
     from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
     from recipes.config import load_recipe
-    from recipes.validate import check_recipe, resolve_report_to
+    from recipes.validate import check_processes_per_gpu, check_recipe, resolve_report_to
 
     recipe = load_recipe(cli["recipe"], cli["overrides"])
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        check_processes_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
     check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
     prediction = preflight(recipe, world_size, enforce=cli["preflight"])
     if recipe.run.check_disk:

@@ -17,6 +17,8 @@ from .data import check_data_args
 from .modeling import check_model_args
 from .sequence_parallel import check_sequence_parallel
 
+logger = logging.getLogger(__name__)
+
 
 def check_deepspeed_config(path: str) -> dict:
     if not os.path.isfile(resolve_path(path)):
@@ -70,6 +72,7 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
             "Both `memory.empty_cache_steps` and TRL's `torch_empty_cache_steps` are set, which would empty the cache "
             "twice; keep `memory.empty_cache_steps` (it also runs gc) and remove `torch_empty_cache_steps`."
         )
+    derive_accumulation(recipe, world_size)
     if t.get("deepspeed"):
         check_deepspeed_config(t["deepspeed"])
     if mem.sgd_in_backward:
@@ -102,20 +105,38 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
         raise RecipeError(f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got {max_length!r}.")
 
+
+
+def check_processes_per_gpu(processes_on_node: int, gpus: int) -> None:
+    """One process per GPU: more processes than GPUs on a node end in `invalid device ordinal` on every rank."""
+    if processes_on_node > gpus:
+        raise RecipeError(f"{processes_on_node} processes on this node but {gpus} GPU(s): start one per GPU "
+                          f"(`accelerate launch --num_processes {gpus} ...` or `deepspeed --num_gpus {gpus} ...`).")
+
+
+def derive_accumulation(recipe: Recipe, world_size: int) -> None:
+    """`data.global_batch_size` is the intent: gradient_accumulation_steps = global / (per device x data-parallel
+    ranks), set in the recipe and logged; an error only when it does not divide."""
+    t = recipe.trainer
     per_device = t.get("per_device_train_batch_size", 8)
     accum = t.get("gradient_accumulation_steps", 1)
     for key, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accum)):
         if not isinstance(value, int) or value < 1:
             raise RecipeError(f"`{key}` must be a positive integer, got {value!r}.")
     want = recipe.data.global_batch_size
+    if want is None:
+        return
     dp = world_size // recipe.parallelism.sp_size  # the ranks of a sequence-parallel group share their pairs
-    if want is not None and per_device * accum * dp != want:
-        fix = want // (per_device * dp) if want % (per_device * dp) == 0 else None
-        hint = f"set `gradient_accumulation_steps: {fix}`" if fix else "change per_device_train_batch_size or the GPU count"
+    if want % (per_device * dp):
         raise RecipeError(
-            f"`data.global_batch_size` is {want} but per_device_train_batch_size ({per_device}) x "
-            f"gradient_accumulation_steps ({accum}) x {dp} data-parallel ranks = {per_device * accum * dp}; {hint}."
-        )
+            f"`data.global_batch_size: {want}` is not a multiple of per_device_train_batch_size ({per_device}) x "
+            f"{dp} data-parallel ranks = {per_device * dp}; change one of them (or the GPU count).")
+    derived = want // (per_device * dp)
+    if derived != accum and int(os.environ.get("RANK", 0)) == 0:
+        logger.info("gradient_accumulation_steps = %d, from data.global_batch_size %d / (%d per device x %d "
+                    "data-parallel ranks)%s", derived, want, per_device, dp,
+                    f"; the recipe's {accum} is replaced" if "gradient_accumulation_steps" in t else "")
+    t["gradient_accumulation_steps"] = derived
 
 
 def resolve_report_to(trainer: dict) -> list[str]:
@@ -124,7 +145,7 @@ def resolve_report_to(trainer: dict) -> list[str]:
     report_to = [report_to] if isinstance(report_to, str) else list(report_to or ["none"])
     if "tensorboard" in report_to and importlib.util.find_spec("tensorboard") is None \
             and importlib.util.find_spec("tensorboardX") is None:
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)")
         report_to = [r for r in report_to if r != "tensorboard"] or ["none"]
     return report_to

@@ -33,7 +33,7 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--memory.offload_pin_memory", "false"], "set `activation_offloading: true` too"),
     (["--max_length", "1"], "`max_length` must be an integer >= 2"),
     (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size` must be a positive integer"),
-    (["--data.global_batch_size", "8"], r"set `gradient_accumulation_steps: 2`"),
+    (["--data.global_batch_size", "6"], r"`data.global_batch_size: 6` is not a multiple of .* = 4"),
     (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
     (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
     (["--data.train_files", "[]"], "No training data"),
@@ -63,11 +63,16 @@ def test_16_bit_formats_are_not_mixed(gpu_packages):
     check("--model.dtype", "bfloat16", "--bf16", "true", cuda=True, world_size=8, recipe="recipes/nemotron12b/dpo_12k.yaml")
 
 
-def test_global_batch_checked_against_ranks(gpu_packages):
-    check("--data.global_batch_size", "8", "--per_device_train_batch_size", "1", world_size=8, cuda=True,
-          recipe="recipes/nemotron12b/dpo_12k.yaml")
-    with pytest.raises(RecipeError, match="x 4 data-parallel ranks = 4"):
-        check("--per_device_train_batch_size", "1", world_size=4, cuda=True, recipe="recipes/nemotron12b/dpo_12k.yaml")
+def test_global_batch_sets_the_accumulation_for_the_gpus_there_are(gpu_packages):
+    """The shipped 12B recipes say 8 pairs per step: on 8, 4, 2 or 1 GPUs the accumulation follows."""
+    for gpus, accumulation in ((8, 1), (4, 2), (2, 4), (1, 8)):
+        r = check(world_size=gpus, cuda=True, recipe="recipes/nemotron12b/dpo_12k.yaml")
+        assert r.trainer["gradient_accumulation_steps"] == accumulation, gpus
+    with pytest.raises(RecipeError, match="not a multiple of per_device_train_batch_size \\(1\\) x 3 data-parallel"):
+        check(world_size=3, cuda=True, recipe="recipes/nemotron12b/dpo_12k.yaml")
+    r = check("--data.global_batch_size", "8", "--per_device_train_batch_size", "2", world_size=2, cuda=True,
+              recipe="recipes/nemotron12b/dpo_12k.yaml")
+    assert r.trainer["gradient_accumulation_steps"] == 2
 
 
 def test_recipe_file_problems(tmp_path):
@@ -197,3 +202,11 @@ def test_liger_needs_its_package_and_keeps_trls_fused_head(monkeypatch):
     assert liger.take(trainer) == {"swiglu": False, "fused_linear_cross_entropy": False, "cross_entropy": False}
     assert trainer == {"max_steps": 3}
     assert liger.take({"max_steps": 3}) is None
+
+
+def test_more_processes_than_gpus_names_the_launcher_flag():
+    from recipes.validate import check_processes_per_gpu
+
+    check_processes_per_gpu(8, 8)
+    with pytest.raises(RecipeError, match="8 processes on this node but 1 GPU.*--num_processes 1.*--num_gpus 1"):
+        check_processes_per_gpu(8, 1)
