@@ -38,8 +38,8 @@ drop to 0.5 GB). At 12k the peak that remains is one MLP's recomputed intermedia
 embedding gradients (2.4 GB).
 
 Chunking (`memory.mlp_chunks: N`): each of N sequence chunks of every MLP in its own checkpoint, aimed at the
-largest holder the 12k snapshot shows (one MLP's recomputed intermediates, 2.1 GB), for (N-1)/N extra MLP forward per
-layer. Measured at 12k (results/gpu_2026-12-02_chunked_mlp_12k): layer+norm_attn + 4 chunks + offloading 5.29 GB /
+largest holder the 12k snapshot shows (one MLP's recomputed intermediates, 2.1 GB); nested in the layer checkpoint
+the chunks cost no extra MLP forward (see `_wrap_chunked_mlp`). Measured at 12k (results/gpu_2026-12-02_chunked_mlp_12k): layer+norm_attn + 4 chunks + offloading 5.29 GB /
 7.27 s vs 5.56 GB / 6.66 s unchunked: the peak moves on to the LM-head/embedding gradients and offloaded inputs.
 
 Tiling (`memory.tiled_mlp: N`): DeepSpeed's TiledMLP runs each MLP over N sequence tiles and recomputes it in
@@ -124,20 +124,44 @@ def _wrap_tiled_mlp(mlp: torch.nn.Module, shards: int) -> None:
     mlp.forward = tiled_forward
 
 
-def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int) -> None:
+def _in_backward() -> bool:
+    """torch's own test in its checkpoint unpack hook (torch/utils/checkpoint.py)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _under_non_reentrant_layer_checkpoint(layer: torch.nn.Module | None) -> bool:
+    """Asked in the forward: does transformers' per-layer checkpoint of `layer` run non-reentrant now? (A reentrant
+    one runs its forward under no_grad, so the chunked path is not taken there at all.)"""
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    return bool(getattr(layer, "gradient_checkpointing", False) and getattr(func, "keywords", {}).get("use_reentrant") is False)
+
+
+def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module | None = None) -> None:
     """Each sequence chunk of the MLP in its own checkpoint: backward holds one chunk's 14336-wide intermediates.
 
-    Compute, counted by the tests: under the layer checkpoint each chunk runs in the forward, in the layer's replay
-    (all but the last chunk: early stop comes once the last chunk's input is saved) and in its own recompute,
-    2 + (N-1)/N MLP forwards per step, against 2 for an unchunked nested MLP and 3 for DeepSpeed's TiledMLP (an
-    autograd.Function, which the replay runs in full; measured 9.71 s/step vs 6.66 s at 12k)."""
+    The chunks split the flattened tokens, so each is contiguous. Compute, counted by the tests: each chunk runs in
+    the forward and in its own recompute, 2 MLP forwards per step as for an unchunked nested MLP. In a non-reentrant
+    layer checkpoint's replay (in backward) the chunks' checkpoints are entered again - they save their inputs, which
+    is all the layer's backward needs of the MLP - but their forwards do not run: that replay's outputs are thrown
+    away (torch stops it at the last chunk's input). Measured before this: the replay ran all but the last chunk,
+    0.5 s a step at 12k on the 12B architecture. A reentrant layer checkpoint uses its replay's outputs, so there the
+    chunks run; which kind ran is recorded in the forward, since TRL re-enables checkpointing (with other arguments)
+    around reference forwards between a forward and its backward. DeepSpeed's TiledMLP (an autograd.Function) is
+    replayed in full: 3 forwards."""
     forward = _counted(mlp, mlp.forward)
+    replay_free = False
 
     def chunked_forward(x):
+        nonlocal replay_free
         if not (mlp.training and torch.is_grad_enabled()):
             return forward(x)
-        parts = [checkpoint(forward, part, use_reentrant=False) for part in x.chunk(chunks, dim=-2)]
-        return torch.cat(parts, dim=-2)
+        in_replay = _in_backward()
+        if not in_replay:
+            replay_free = _under_non_reentrant_layer_checkpoint(layer)
+        run = torch.empty_like if in_replay and replay_free else forward
+        flat = x.reshape(-1, x.shape[-1])
+        parts = [checkpoint(run, part, use_reentrant=False) for part in flat.chunk(chunks)]
+        return torch.cat(parts).view(*x.shape[:-1], -1)
 
     mlp.forward = chunked_forward
 
@@ -181,7 +205,7 @@ def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0
             _wrap_tiled_mlp(layer.mlp, tiled_mlp)
             wrapped["tiled_mlp"] += 1
         if mlp_chunks:
-            _wrap_chunked_mlp(layer.mlp, mlp_chunks)
+            _wrap_chunked_mlp(layer.mlp, mlp_chunks, layer)
             wrapped["chunked_mlp"] += 1
         targets = {
             "norm": [layer.input_layernorm, layer.post_attention_layernorm],

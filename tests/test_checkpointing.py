@@ -25,14 +25,15 @@ def dpo_batch():
     return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
 
 
-def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean: bool = False):
+def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean: bool = False,
+                   reentrant: bool = False):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1)."""
     from trl.trainer.utils import add_fused_lm_head
 
     trainer, inputs = dpo_batch
     model = build_model(TINY)
     if uses_transformers_layer_checkpointing(policy):
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     trainer.ref_model = build_model(ModelArgs(**{**TINY.__dict__, "init_seed": 1}))
@@ -82,7 +83,7 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks)
     checkpoint, three times (forward, the layer's replay, its own recompute) - except the MLP, the layer's last
     module: torch's early stop ends the layer's replay once the MLP's input is saved, so it runs twice. A tiled MLP
     runs once per tile in forward and once per tile in backward (and once more per tile in a layer replay). A
-    chunked MLP runs each chunk twice, and nested, all chunks but the last once more in the layer's replay."""
+    chunked MLP runs each chunk twice, nested or not: the layer's replay saves the chunks' inputs without running them."""
     model, _, _, wrapped = loss_and_grads(dpo_batch, policy, tiles, chunks)
     layer = model.model.layers[0]
     nested = uses_transformers_layer_checkpointing(policy)
@@ -104,11 +105,24 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks)
         assert layer.mlp.recipes_forward_calls == (3 if nested else 2) * tiles
         assert wrapped["tiled_mlp"] == len(model.model.layers)
     if chunks:
-        assert layer.mlp.recipes_forward_calls == (3 * chunks - 1 if nested else 2 * chunks)
+        assert layer.mlp.recipes_forward_calls == 2 * chunks
         assert wrapped["chunked_mlp"] == len(model.model.layers)
     unwrapped = [m for kind, ms in targets.items() if kind not in inner for m in ms]
     for module in unwrapped:
         assert not hasattr(module, "recipes_forward_calls")
+
+
+@pytest.mark.parametrize("policy", ["layer", "layer+norm_attn"])
+def test_chunks_under_a_reentrant_layer_checkpoint_run_in_its_replay(dpo_batch, reference, policy):
+    """A reentrant layer checkpoint (what TRL forces for PEFT under ZeRO-3) runs its forward under no_grad (the MLP
+    once, whole) and uses its replay's outputs: the chunks run there, and again in their own recomputes. Every
+    gradient is still the unpatched one."""
+    _, ref_loss, ref_grads, _ = reference
+    model, loss, grads, _ = loss_and_grads(dpo_batch, policy, chunks=4, reentrant=True)
+    assert model.model.layers[0].mlp.recipes_forward_calls == 1 + 2 * 4
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-6), name
 
 
 def test_patched_checkpoint_reloads_into_a_plain_model(tmp_path):
