@@ -35,11 +35,12 @@ class RecipeError(ValueError):
 class ModelArgs:
     """Which model to train.
 
-    name_or_path (str, defaults to None): a local Hugging Face model directory (config + weights + tokenizer).
+    name_or_path (str, defaults to None): a local Hugging Face model directory (config + weights + tokenizer) or a
+        Hub id (`mistralai/Mistral-Nemo-Instruct-2407`), loaded by `from_pretrained` through the Hugging Face cache.
     architecture (str, defaults to None): an architecture JSON (e.g. recipes/architectures/mistral_nemo_12b.json);
         the model is randomly initialised from it, for benchmarks. Exactly one of name_or_path / architecture.
     num_hidden_layers (int, defaults to None): override the layer count (reduced-layer runs of a big architecture).
-    tokenizer (str, defaults to None): a tokenizer directory, or `byte` for the built-in byte-level tokenizer with a
+    tokenizer (str, defaults to None): a tokenizer directory or Hub id, or `byte` for the built-in byte-level tokenizer with a
         chat template (one token per UTF-8 byte). Defaults to name_or_path.
     dtype (str, defaults to "bfloat16"): parameter dtype: bfloat16, float16 or float32.
     attn_implementation (str, defaults to "sdpa"): sdpa, eager or flash_attention_2.

@@ -1,4 +1,5 @@
-"""Model and tokenizer building: a local Hugging Face directory, or a shipped architecture JSON + random init.
+"""Model and tokenizer building: a local Hugging Face directory or a Hub id (resolved by `from_pretrained`, through
+the Hugging Face cache), or a shipped architecture JSON + random init.
 
 Random-init models are built with `from_config`, which transformers runs under DeepSpeed `zero.Init` whenever a
 ZeRO-3 `DPOConfig` exists (HfDeepSpeedConfig is alive), so no rank ever materialises the whole 12B model.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -49,13 +51,43 @@ def build_byte_tokenizer():
     return tokenizer
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def model_source(path_or_id: str) -> str:
+    """A local directory (relative to the working directory or the repo), else the string as a Hub id."""
+    local = resolve_path(path_or_id)
+    return local if os.path.isdir(local) else path_or_id
+
+
+def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
+    """A local directory passes; a Hub id must resolve now (its config or tokenizer files only: no weights are
+    fetched here), from the Hugging Face cache or the Hub. Else one line naming the id and HF_HUB_OFFLINE."""
+    if os.path.isdir(resolve_path(path_or_id)):
+        return
+    if not HUB_ID.match(path_or_id):
+        raise RecipeError(f"`{key}` {path_or_id!r} is neither a local directory nor a Hugging Face Hub id "
+                          "(`owner/name`). Point it at a directory written by `save_pretrained`, or a Hub id.")
+    from huggingface_hub import constants
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        (AutoConfig if needs == "config" else AutoTokenizer).from_pretrained(path_or_id)
+    except (OSError, ValueError) as error:
+        offline = " (HF_HUB_OFFLINE=1 is set: only the local cache is read; unset it or download the model first " \
+                  "with `huggingface-cli download`)" if constants.HF_HUB_OFFLINE else ""
+        reason = str(error).strip().splitlines()[0]
+        raise RecipeError(f"`{key}` {path_or_id!r} is not a local directory and could not be loaded from the Hugging "
+                          f"Face cache ({constants.HF_HUB_CACHE}) or the Hub{offline}: {reason}") from None
+
+
 def load_tokenizer(args: ModelArgs):
     source = args.tokenizer or args.name_or_path
     if source == "byte":
         return build_byte_tokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_path(source))
+    return AutoTokenizer.from_pretrained(model_source(source))
 
 
 def load_architecture(args: ModelArgs):
@@ -68,7 +100,7 @@ def load_architecture(args: ModelArgs):
         spec = {k: v for k, v in spec.items() if not k.startswith("_")}  # "_comment" keys document the JSON
         config = AutoConfig.for_model(**spec)
     else:
-        config = AutoConfig.from_pretrained(resolve_path(args.name_or_path))
+        config = AutoConfig.from_pretrained(model_source(args.name_or_path))
     if args.num_hidden_layers is not None:
         config.num_hidden_layers = args.num_hidden_layers
     return config
@@ -92,7 +124,7 @@ def build_model(args: ModelArgs):
         with device:
             return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
     return AutoModelForCausalLM.from_pretrained(
-        resolve_path(args.name_or_path),
+        model_source(args.name_or_path),
         config=config,
         dtype=dtype,
         attn_implementation=args.attn_implementation,
@@ -106,19 +138,16 @@ def check_model_args(args: ModelArgs) -> None:
             "Set exactly one of `model.name_or_path` (a local model directory) or `model.architecture` "
             "(an architecture JSON for a random-init model)."
         )
-    if args.name_or_path and not os.path.isdir(resolve_path(args.name_or_path)):
-        raise RecipeError(
-            f"`model.name_or_path` {args.name_or_path!r} is not a local directory; models are not downloaded here. "
-            "Point it at a directory written by `save_pretrained`."
-        )
+    if args.name_or_path:
+        check_source("model.name_or_path", args.name_or_path)
     if args.architecture and not os.path.isfile(resolve_path(args.architecture)):
         raise RecipeError(
             f"`model.architecture` {args.architecture!r} does not exist; use a JSON in recipes/architectures/."
         )
     if args.architecture and not args.tokenizer:
         raise RecipeError("A random-init model has no tokenizer: set `model.tokenizer: byte` or a tokenizer directory.")
-    if args.tokenizer and args.tokenizer != "byte" and not os.path.isdir(resolve_path(args.tokenizer)):
-        raise RecipeError(f"`model.tokenizer` {args.tokenizer!r} is neither `byte` nor a local directory.")
+    if args.tokenizer and args.tokenizer != "byte":
+        check_source("model.tokenizer", args.tokenizer, needs="tokenizer")
     if args.dtype not in DTYPES:
         raise RecipeError(f"`model.dtype` must be one of {', '.join(DTYPES)}, got {args.dtype!r}.")
     if args.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):

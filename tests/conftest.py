@@ -11,6 +11,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tests never reach the Hub: a Hub id resolves from a cache a test lays out, or fails at once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, ROOT)
 from recipes.distributed import run_job  # noqa: E402  (a timed-out launch leaves no rank behind)
 
@@ -79,3 +81,16 @@ def gpu_packages(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "liger_kernel" else real(n, *a))
+
+
+def hub_cache(home, repo_id: str, source_dir: str) -> str:
+    """Lay `source_dir` out in a Hugging Face cache under `home` (HF_HOME) as the snapshot of `repo_id`'s main."""
+    import shutil
+
+    revision = "0" * 40
+    repo = os.path.join(home, "hub", "models--" + repo_id.replace("/", "--"))
+    shutil.copytree(source_dir, os.path.join(repo, "snapshots", revision))
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(revision)
+    return str(home)

@@ -120,6 +120,25 @@ def test_local_model_directory_and_conversational_data(tmp_path, tiny_model_dir)
     assert s["length_report"]["pairs"] == 8
 
 
+def test_a_hub_id_loads_from_the_hugging_face_cache(tmp_path, tiny_model_dir):
+    """`model.name_or_path: owner/name` goes to `from_pretrained` as in every peer: here from a Hugging Face cache
+    laid out in a temporary HF_HOME, offline. An id in neither the cache nor the Hub is one line before any load."""
+    from conftest import hub_cache
+
+    home = hub_cache(tmp_path / "hf", "someone/tiny-mistral", tiny_model_dir)
+    env = {"HF_HOME": home, "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    run_train(out, "--max_steps", "1", "--save_strategy", "no", "--report_to", "none", "--model.architecture", "null",
+              "--model.tokenizer", "null", "--model.name_or_path", "someone/tiny-mistral", env=env)
+    assert abs(summary(out)["losses"][0] - math.log(2)) < 1e-4
+    proc = run_train(tmp_path / "out2", "--model.architecture", "null", "--model.tokenizer", "null",
+                     "--model.name_or_path", "someone/not-cached", env=env, check=False)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stdout.splitlines() if "someone/not-cached" in l]
+    assert len(lines) == 1 and "HF_HUB_OFFLINE=1 is set" in lines[0], proc.stdout[-2000:]
+    assert "Traceback" not in proc.stdout
+
+
 def test_the_entrypoint_sends_no_usage_ping():
     """TRL's trainers ping huggingface.co from a thread unless huggingface_hub's telemetry switch is off; the
     entrypoint turns it off, and a user's own setting wins."""
