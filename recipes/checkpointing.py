@@ -139,7 +139,7 @@ def _under_non_reentrant_layer_checkpoint(layer: torch.nn.Module | None) -> bool
 def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module | None = None) -> None:
     """Each sequence chunk of the MLP in its own checkpoint: backward holds one chunk's 14336-wide intermediates.
 
-    The chunks split the flattened tokens, so each is contiguous. Compute, counted by the tests: each chunk runs in
+    Compute, counted by the tests: each chunk runs in
     the forward and in its own recompute, 2 MLP forwards per step as for an unchunked nested MLP. In a non-reentrant
     layer checkpoint's replay (in backward) the chunks' checkpoints are entered again - they save their inputs, which
     is all the layer's backward needs of the MLP - but their forwards do not run: that replay's outputs are thrown
@@ -159,9 +159,8 @@ def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module 
         if not in_replay:
             replay_free = _under_non_reentrant_layer_checkpoint(layer)
         run = torch.empty_like if in_replay and replay_free else forward
-        flat = x.reshape(-1, x.shape[-1])
-        parts = [checkpoint(run, part, use_reentrant=False) for part in flat.chunk(chunks)]
-        return torch.cat(parts).view(*x.shape[:-1], -1)
+        parts = [checkpoint(run, part, use_reentrant=False) for part in x.chunk(chunks, dim=-2)]
+        return torch.cat(parts, dim=-2)
 
     mlp.forward = chunked_forward
 
