@@ -39,8 +39,9 @@ embedding gradients (2.4 GB).
 
 Chunking (`memory.mlp_chunks: N`): each of N sequence chunks of every MLP in its own checkpoint, aimed at the
 largest holder the 12k snapshot shows (one MLP's recomputed intermediates, 2.1 GB); nested in the layer checkpoint
-the chunks cost no extra MLP forward (see `_wrap_chunked_mlp`). Measured at 12k (results/gpu_2026-12-02_chunked_mlp_12k): layer+norm_attn + 4 chunks + offloading 5.29 GB /
-7.27 s vs 5.56 GB / 6.66 s unchunked: the peak moves on to the LM-head/embedding gradients and offloaded inputs.
+the chunks cost no extra MLP forward (see `_wrap_chunked_mlp`). Measured at 12k, when the layer's replay still ran
+them (results/gpu_2026-12-02_chunked_mlp_12k): layer+norm_attn + 4 chunks + offloading 5.29 GB / 7.27 s vs
+5.56 GB / 6.66 s unchunked: the peak moves on to the LM-head/embedding gradients and offloaded inputs.
 
 Tiling (`memory.tiled_mlp: N`): DeepSpeed's TiledMLP runs each MLP over N sequence tiles and recomputes it in
 backward, so only the MLP input is kept and the 14336-wide intermediates exist one tile at a time. A tiled MLP is
@@ -139,15 +140,14 @@ def _under_non_reentrant_layer_checkpoint(layer: torch.nn.Module | None) -> bool
 def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module | None = None) -> None:
     """Each sequence chunk of the MLP in its own checkpoint: backward holds one chunk's 14336-wide intermediates.
 
-    Compute, counted by the tests: each chunk runs in
-    the forward and in its own recompute, 2 MLP forwards per step as for an unchunked nested MLP. In a non-reentrant
-    layer checkpoint's replay (in backward) the chunks' checkpoints are entered again - they save their inputs, which
-    is all the layer's backward needs of the MLP - but their forwards do not run: that replay's outputs are thrown
-    away (torch stops it at the last chunk's input). Measured before this: the replay ran all but the last chunk,
-    0.5 s a step at 12k on the 12B architecture. A reentrant layer checkpoint uses its replay's outputs, so there the
-    chunks run; which kind ran is recorded in the forward, since TRL re-enables checkpointing (with other arguments)
-    around reference forwards between a forward and its backward. DeepSpeed's TiledMLP (an autograd.Function) is
-    replayed in full: 3 forwards."""
+    Compute, counted by the tests: each chunk runs in the forward and in its own recompute, 2 MLP forwards per step
+    as for an unchunked nested MLP. In a non-reentrant layer checkpoint's replay (in backward) the chunks'
+    checkpoints are entered again - they save their inputs, which is all the layer's backward needs of the MLP - but
+    their forwards do not run: that replay's outputs are thrown away (torch stops it at the last chunk's input).
+    Measured before this: the replay ran all but the last chunk, 0.5 s a step at 12k on the 12B architecture. A
+    reentrant layer checkpoint uses its replay's outputs, so there the chunks run; which kind ran is recorded in the
+    forward, since TRL re-enables checkpointing (with other arguments) around reference forwards between a forward
+    and its backward. DeepSpeed's TiledMLP (an autograd.Function) is replayed in full: 3 forwards."""
     forward = _counted(mlp, mlp.forward)
     replay_free = False
 

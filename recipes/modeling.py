@@ -63,7 +63,7 @@ def model_source(path_or_id: str) -> str:
 def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
     """A local directory passes; a Hub id must resolve now (its config or tokenizer files only: no weights are
     fetched here), from the Hugging Face cache or the Hub. Else one line naming the id and HF_HUB_OFFLINE."""
-    if os.path.isdir(resolve_path(path_or_id)):
+    if os.path.isdir(model_source(path_or_id)):
         return
     if not HUB_ID.match(path_or_id):
         raise RecipeError(f"`{key}` {path_or_id!r} is neither a local directory nor a Hugging Face Hub id "
