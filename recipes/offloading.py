@@ -8,8 +8,10 @@ micro-step, and pinned there until the backward. Here every saved tensor that al
 parameter stays where it is (looked up by shape, then by address: cheap). The LM head's weight never reaches the
 hooks at all (recipes/lean_lm_head.HookSafeLogProb).
 
-The ledger counts, per optimizer step, the bytes copied to the host and the copied tensors shaped like a parameter
-(which should be none); the memory callback writes both into the telemetry (`offloaded_gb`, `offloaded_param_shaped`).
+The ledger counts, per optimizer step, the bytes copied to the host and the copied tensors that share storage with
+a parameter (which should be none); the memory callback writes both into the telemetry (`offloaded_gb`,
+`offloaded_param_shaped`). Shape alone cannot tell: at 65,536 tokens a pair's flattened hidden state (131,072 x 5,120)
+has the shape of Mistral-NeMo's embedding matrix, and a shape-only count read 1 on the GPU for an activation.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def offload_context(model: torch.nn.Module, pin_memory: bool = True):
         entry = ctx.tracker.get(tensor_id)
         if entry is not None and entry[1]:  # TRL's tracker: (tensor, copied to host, ...)
             ledger.bytes += tensor.numel() * tensor.element_size()
-            ledger.param_shaped += shape in shapes
+            if shape in shapes:  # shaped like a parameter: is it one (a view of its current storage)?
+                storage = tensor.untyped_storage().data_ptr()
+                ledger.param_shaped += any(p.numel() and p.untyped_storage().data_ptr() == storage for p in params)
         return tensor_id
 
     def unpack(packed):

@@ -18,10 +18,12 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
                               its gradients and the optimizer's buffers for it; measured on the real path
   peak           the activation peak (model states + reference + backward) and the optimizer-step peak (model
                  states + reference + step) are reported apart: with few layers per rank the step's is the larger
-  reserved       max(model states + reference + backward x reserved_factor(config),
+  reserved       max(model states + reference + backward x reserved_factor(config, mode),
                      model states + reference + step + zero3 gap)   each non-resident part x allocator_factor;
                  the factors are measured: fragmentation grows with the activations' churn, not with the resident
-                 weights (12k -> 64k, one configuration: gap / activations 1.38, 1.39, 1.39); under ZeRO-3 the
+                 weights (12k -> 64k, one configuration: gap / activations 1.38, 1.39, 1.39), and it is fitted
+                 apart on the real path where a configuration was measured there (fewer layers, less churn than
+                 the 40-layer per-rank emulation); under ZeRO-3 the
                  optimizer phase leaves a gap of its own (gathers, buckets, sub-group buffers)
   host           activation offloading: L x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching
                  allocator rounds each block up to a power of two); ZeRO-3 CPU offload: 12 x P / R (optimizer)
@@ -216,7 +218,8 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     backward = gathered + stored + per_token
     allocated = states + ref + max(backward, step)
     allocator = _allocator_factor(s, cal)
-    reserved = states + ref + max(backward * coef["reserved_factor"], step + gap) * allocator
+    factor = coef.get("reserved_factor_zero3", coef["reserved_factor"]) if s.zero3 else coef["reserved_factor"]
+    reserved = states + ref + max(backward * factor, step + gap) * allocator
     host = 0.0
     if s.config.endswith("+offload"):
         block = s.tokens * s.hidden * 2
