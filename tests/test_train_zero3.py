@@ -103,13 +103,16 @@ def test_accelerate_launch_matches(ds1, tmp_path):
 
 @pytest.mark.parametrize("policy,tiles,chunks", [("norm_attn_mlp", 0, 0), ("layer+norm_attn_mlp", 0, 0), ("layer+norm_attn", 4, 0), ("layer+norm_attn", 0, 2)])
 def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles, chunks):
-    """Recompute under ZeRO-3 must re-gather partitioned weights: any miss changes the gradients, so the curve."""
+    """Recompute under ZeRO-3 must re-gather partitioned weights: any miss changes the gradients, so the curve.
+    Tiles and chunks sum each MLP weight's gradient over sequence pieces, a different fp32 summation order than one
+    matmul: after three updates the loss moved by 1.2e-6 on a 2-core CPU, so those cases compare at 1e-5 (a missed
+    re-gather or a wrong gradient moves it by orders of magnitude more)."""
     run_train(tmp_path, *STEPS, "--per_device_train_batch_size", "2", "--save_strategy", "no",
               "--memory.checkpointing", policy, "--memory.tiled_mlp", str(tiles), "--memory.mlp_chunks", str(chunks),
               launcher="deepspeed", procs=2)
     s = summary(tmp_path)
     assert sum(s["wrapped"].values()) > 0
-    assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
+    assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5 if tiles or chunks else 1e-6)
 
 
 @pytest.mark.parametrize("launcher,procs,per_device", [("python", 1, 4), ("deepspeed", 2, 2)])
