@@ -13,9 +13,9 @@ python3 -c "import trl, deepspeed" 2>/dev/null || source launch/gpu_env.sh
     echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
     echo "commit: ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    python3 -c "import torch, transformers, trl, deepspeed, accelerate, datasets as d; print('torch', torch.__version__,
+    python3 -c "import torch, transformers, trl, deepspeed, accelerate, peft, datasets as d; print('torch', torch.__version__,
 'transformers', transformers.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__,
-'accelerate', accelerate.__version__, 'datasets', d.__version__)" 2>&1 | grep -v Warning
+'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', d.__version__)" 2>&1 | grep -v Warning
     echo "command: bash launch/gpu_acceptance.sh $*"
     [ -n "${GPU_ACCEPTANCE_ONLY:-}" ] && echo "SUBSET of the suite: GPU_ACCEPTANCE_ONLY=$GPU_ACCEPTANCE_ONLY (runs whose names contain these, and stock)"
 } > "$LOG"

@@ -207,7 +207,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 80GB")
     p.add_argument("--host-memory", default=None, help="host RAM per node, e.g. 1000GB (checks activation and ZeRO "
                                                         "CPU offload)")
-    p.add_argument("--deepspeed", default="ds_configs/zero3.json", help="DeepSpeed JSON ('none': no DeepSpeed)")
+    p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON ('none': no DeepSpeed); default: the recipe's "
+                                                     "`deepspeed`, else ds_configs/zero3.json on several GPUs and none "
+                                                     "on one")
     p.add_argument("--calibrate", action="store_true", help="refit recipes/planner_calibration.json from results/")
     args, rest = p.parse_known_args(argv)
     if args.calibrate:
@@ -221,6 +223,9 @@ def main(argv=None) -> int:
     try:
         recipe = load_recipe(args.recipe, parse_overrides(rest))
         ds = None
+        if args.deepspeed is None:
+            args.deepspeed = recipe.trainer.get("deepspeed") or ("ds_configs/zero3.json" if args.gpus * args.nodes > 1
+                                                                 else "none")
         if args.deepspeed != "none" and not recipe.memory.sgd_in_backward:
             from recipes.validate import check_deepspeed_config
 
@@ -231,7 +236,8 @@ def main(argv=None) -> int:
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.recipe}: {args.nodes} node(s) x {args.gpus} GPU(s), per rank:")
+    how = "no DeepSpeed" if ds is None else f"DeepSpeed {args.deepspeed}"
+    print(f"{args.recipe}: {args.nodes} node(s) x {args.gpus} GPU(s), {how}, per rank:")
     print(render(result))
     return 1 if result.fits is False else 0
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- 2. recipe and start-up checks (no model loaded yet) ---------------------------------------------------
     import torch
 
-    from recipes import lean_lm_head, liger, resilience
+    from recipes import lean_lm_head, liger, lora, resilience
     from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
     from recipes.config import load_recipe
     from recipes.validate import check_processes_per_gpu, check_recipe, resolve_report_to
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
     # ZeRO-3 partitions each parameter as the model is constructed (zero.Init): no rank ever holds the whole model
     built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
     ref_model = None
-    if recipe.model.architecture and not args.precompute_ref_log_probs:
+    # LoRA: TRL scores the reference with the adapters off, so no copy is built (recipes/lora.py)
+    if recipe.model.architecture and not args.precompute_ref_log_probs and not recipe.model.use_peft:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
     if liger_config is not None:  # before our patches, so that they wrap Liger's kernels (recipes/liger.py)
         liger_config = liger.apply([model, ref_model], liger_config, memory.lean_norm)
@@ -232,7 +233,10 @@ def main(argv: list[str] | None = None) -> dict:
         eval_dataset=eval_raw,
         processing_class=tokenizer,
         callbacks=callbacks,
+        peft_config=lora.peft_config(recipe.model),
     )
+    if recipe.model.use_peft and is_main:
+        logger.info(lora.trainable_summary(trainer.model))
     if args.activation_offloading:  # TRL's offloader, kept away from ZeRO-3 parameters, pinned or pageable
         from recipes.offloading import offload_context
 
@@ -277,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
         if is_main:
             tokenizer.save_pretrained(args.output_dir)
+            if recipe.model.lora_save_merged:
+                logger.info("adapter merged into the base weights: %s",
+                            lora.save_merged(args.output_dir, recipe.model, tokenizer))
     summary = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "train_logs": [h for h in trainer.state.log_history if "loss" in h],  # rewards, logps, ... per step
@@ -362,9 +369,15 @@ def disk_check(recipe, final_save: bool) -> None:
         from recipes.validate import check_deepspeed_config
 
         zero3 = check_deepspeed_config(ds_path).get("zero_optimization", {}).get("stage") == 3
+    final = params * dtype_bytes
+    if recipe.model.use_peft:  # checkpoints hold the adapters (fp32) and their optimizer state only
+        from recipes.lora import adapter_params
+
+        params, dtype_bytes = adapter_params(recipe.model), 4
+        final = params * dtype_bytes + (final if recipe.model.lora_save_merged else 0)
     one = resilience.checkpoint_bytes(params, dtype_bytes, zero3, with_optimizer=not t.get("save_only_model"))
     warning = resilience.check_disk(t.get("output_dir", "trainer_output"), one, resilience.checkpoints_kept(t),
-                                    params * dtype_bytes if final_save else 0)
+                                    final if final_save else 0)
     if warning and int(os.environ.get("RANK", 0)) == 0:
         logger.warning(warning)
 

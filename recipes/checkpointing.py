@@ -153,11 +153,15 @@ def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module 
 
     def chunked_forward(x):
         nonlocal replay_free
+        in_replay = _in_backward()
+        # Every training forward through the layer checkpoint records its kind, the reentrant one too (it runs
+        # under no_grad). Seen when only grad-enabled forwards recorded it: with LoRA under ZeRO-3, step 1 ran
+        # non-reentrant and later steps reentrant (TRL re-enables checkpointing with forced reentrant arguments),
+        # so the later replays skipped the chunks whose outputs a reentrant backward uses: wrong gradients.
+        if mlp.training and not in_replay and (torch.is_grad_enabled() or getattr(layer, "gradient_checkpointing", False)):
+            replay_free = _under_non_reentrant_layer_checkpoint(layer)
         if not (mlp.training and torch.is_grad_enabled()):
             return forward(x)
-        in_replay = _in_backward()
-        if not in_replay:
-            replay_free = _under_non_reentrant_layer_checkpoint(layer)
         run = torch.empty_like if in_replay and replay_free else forward
         parts = [checkpoint(run, part, use_reentrant=False) for part in x.chunk(chunks, dim=-2)]
         return torch.cat(parts, dim=-2)

@@ -46,6 +46,24 @@ class ModelArgs:
     attn_implementation (str, defaults to "sdpa"): sdpa, eager or flash_attention_2.
     init_seed (int, defaults to 0): seed of the random initialisation; the reference model of a random-init run is
         built with the same seed, so it is an identical copy of the policy (step-0 loss = ln 2).
+
+    LoRA (recipes/lora.py; the names of TRL's `ModelConfig`, passed to TRL's `get_peft_config`):
+    use_peft (bool, defaults to False): train LoRA adapters instead of all weights. The reference is the base model
+        with the adapters switched off: no second copy of the weights, no gradients or optimizer state for them.
+    lora_r (int, defaults to 16): adapter rank.
+    lora_alpha (int, defaults to 32): adapter scale numerator (scale = lora_alpha / lora_r, or / sqrt(r) with rsLoRA).
+    lora_dropout (float, defaults to 0.05): dropout on the adapters' input.
+    lora_target_modules (list[str] | str, defaults to None): module names to adapt (`[q_proj, k_proj, v_proj,
+        o_proj, gate_proj, up_proj, down_proj]`), `all-linear`, or a regex; None: PEFT's default for the family
+        (q_proj and v_proj for Mistral, Llama, Qwen2 and Qwen3).
+    lora_target_parameters (list[str], defaults to None): parameters to adapt directly (PEFT's target_parameters).
+    lora_modules_to_save (list[str], defaults to None): modules trained in full and saved beside the adapter
+        (e.g. `[lm_head, embed_tokens]` after adding tokens).
+    lora_task_type (str, defaults to "CAUSAL_LM"): PEFT task type.
+    use_rslora (bool, defaults to False): rank-stabilised LoRA scaling (lora_alpha / sqrt(r)).
+    use_dora (bool, defaults to False): weight-decomposed LoRA (DoRA).
+    lora_save_merged (bool, defaults to False): also write the adapter merged into the base weights to
+        `<output_dir>/merged` (a plain model; needs `name_or_path`). The adapter itself is always saved.
     """
 
     name_or_path: str | None = None
@@ -55,6 +73,17 @@ class ModelArgs:
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
     init_seed: int = 0
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | str | None = None
+    lora_target_parameters: list[str] | None = None
+    lora_modules_to_save: list[str] | None = None
+    lora_task_type: str = "CAUSAL_LM"
+    use_rslora: bool = False
+    use_dora: bool = False
+    lora_save_merged: bool = False
 
 
 @dataclass
@@ -310,6 +339,10 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
         if key in SECTIONS:
             continue
         if key not in dpo_fields:
+            home = next((name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}), None)
+            if home:  # e.g. TRL's `--use_peft` / `--lora_r`, which live under `model:` here
+                raise RecipeError(f"`{key}` is a `{home}:` key: write `{home}.{key}` in the recipe "
+                                  f"(`--{home}.{key}` on the command line).")
             valid = list(dpo_fields) + list(SECTIONS)
             raise RecipeError(
                 f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory/parallelism/run).{_suggest(key, valid)}"

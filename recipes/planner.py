@@ -6,6 +6,10 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
   model states   ZeRO-3: (2 param + 2 grad + 12 fp32 master/Adam) x P / R, offloaded parts moved to host;
                  one process + sgd_in_backward: 2 x P (no gradient or optimizer state survives)
   reference      2 x P / R under ZeRO-3 (TRL shards it), 2 x P in one process, 0 with precompute_ref_log_probs
+  LoRA           A adapter parameters (counted by PEFT): frozen weights 2 x P (/ R under ZeRO-3), adapters
+                 16 x A (fp32 weight, gradient, Adam moments; / R under ZeRO-3); no reference copy (TRL switches the
+                 adapters off); activations as for full fine-tuning of the same configuration (an upper bound: the
+                 frozen weights need no weight-gradient buffers; not yet measured on a GPU with LoRA)
   transient      max(backward, optimizer step):
                    backward = gathered weights (ZeRO-3: 2 x the largest layer or embedding)
                             + T x L x H x stored_bytes(policy)    what checkpoints keep per layer (2 = the layer
@@ -72,6 +76,7 @@ class Setup:
     allocator_conf: str | None = None
     sp: int = 1  # sequence-parallel group size: each rank holds 1/sp of every sequence
     offload_pinned: bool = True  # pinned host blocks are rounded up to a power of two; pageable ones are not
+    lora_params: int = 0  # LoRA: trainable adapter parameters (0: full fine-tuning)
 
     @property
     def tokens(self) -> int:
@@ -199,9 +204,16 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     cal = cal or load_calibration()
     coef, source = _coefficients(s.config, cal)
     p, r = s.params, s.ranks
+    a = s.lora_params
     if s.emulate:
         states, ref, step = 2.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0
         gathered = gap = 0.0
+    elif a:  # LoRA: frozen bf16 weights, fp32 adapters with gradient and Adam moments, no reference
+        shard = r if s.zero3 else 1
+        states, ref = (2.0 * p + 16.0 * a) / shard, 0.0
+        step = 4.0 * min(a / shard, SUB_GROUP) if s.zero3 else 0.0
+        gap = cal.get("zero3", {}).get("gap_gb", 0.0) * GB if s.zero3 else 0.0
+        gathered = 2.0 * max(s.layer_params, s.embed_params) if s.zero3 else 0.0
     elif s.zero3:
         per_param = 2 + 2 + (0 if s.offload_optimizer else 12) - (2 if s.offload_param else 0)
         states = per_param * p / r
@@ -224,12 +236,14 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     if s.config.endswith("+offload"):
         block = s.tokens * s.hidden * 2
         host += s.layers * (2 ** math.ceil(math.log2(block)) * cal["pinned_factor"] if s.offload_pinned else block)
-    if s.zero3:  # optimizer state; policy parameters; the reference's parameters (offloaded with the same config)
+    if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
     host *= s.ranks_per_node
     breakdown = {"model_states": states, "reference_model": ref, "gathered_weights": gathered,
                  "activations_checkpointed": stored, "activations_peak_layer_and_lm_head": per_token,
                  "optimizer_step_transient": step, "allocator_overhead": reserved - allocated}
+    if a:
+        source += f"; LoRA ({a / 1e6:.1f} M adapter parameters): activations taken from full fine-tuning"
     if s.sp > 1:
         source += f"; sequence parallel {s.sp}: per-rank tokens / {s.sp} (Ulysses all-to-all buffers not calibrated)"
     return Plan(breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
@@ -245,6 +259,11 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
 
     arch = load_architecture(recipe.model)
     total, layer, embed = count_params(arch)
+    lora_params = 0
+    if recipe.model.use_peft:
+        from .lora import adapter_params
+
+        lora_params = adapter_params(recipe.model)
     t, mem = recipe.trainer, recipe.memory
     zero = (ds_config or {}).get("zero_optimization", {})
     offload = bool(t.get("activation_offloading"))
@@ -257,7 +276,8 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
                  emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
                  config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm,
                                     mem.lean_lm_head, bool(t.get("use_liger_kernel"))),
-                 allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size, offload_pinned=mem.offload_pin_memory)
+                 allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size, offload_pinned=mem.offload_pin_memory,
+                 lora_params=lora_params)
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.
@@ -305,8 +325,9 @@ def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1,
     s = setup_from_recipe(recipe, gpus, nodes, ds_config)
     result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
     t = recipe.trainer
-    result.checkpoint_gb = round(resilience.checkpoint_bytes(s.params, 4 if recipe.model.dtype == "float32" else 2,
-                                                             s.zero3, not t.get("save_only_model")) / GB, 1)
+    saved, dtype_bytes = (s.lora_params, 4) if s.lora_params else (s.params, 4 if recipe.model.dtype == "float32" else 2)
+    result.checkpoint_gb = round(resilience.checkpoint_bytes(saved, dtype_bytes, s.zero3,
+                                                             not t.get("save_only_model")) / GB, 1)
     result.checkpoints_kept = resilience.checkpoints_kept(t)
     if result.fits is False:
         result.suggestions = suggest(s, gpu_memory_gb, host_memory_gb=host_memory_gb)

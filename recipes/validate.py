@@ -14,6 +14,7 @@ from . import allocator, liger
 from .checkpointing import check_mlp_split, check_policy
 from .config import Recipe, RecipeError, resolve_path
 from .data import check_data_args
+from .lora import check_lora_args
 from .modeling import check_model_args
 from .sequence_parallel import check_sequence_parallel
 
@@ -37,7 +38,14 @@ def check_deepspeed_config(path: str) -> dict:
 def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     t, mem = recipe.trainer, recipe.memory
     check_model_args(recipe.model)
+    check_lora_args(recipe.model)
     check_data_args(recipe.data)
+    if recipe.model.use_peft and t.get("sync_ref_model"):
+        raise RecipeError("`sync_ref_model` needs a reference copy, and LoRA has none (its reference is the base "
+                          "model with the adapters off): set `sync_ref_model: false`.")
+    if recipe.model.use_peft and mem.sgd_in_backward:
+        raise RecipeError("`memory.sgd_in_backward` emulates full fine-tuning of one ZeRO-3 rank; a LoRA run needs "
+                          "no emulation (its optimizer state is the adapters'): set `memory.sgd_in_backward: false`.")
     check_policy(mem.checkpointing)
     if recipe.parallelism.sp_size != 1:
         from .modeling import load_architecture

@@ -52,6 +52,16 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--run.on_nonfinite", "skip", "--memory.sgd_in_backward", "true"], "use `run.on_nonfinite: stop`"),
     (["--run.save_on_signals", "[SIGKILL]"], "not a signal a run can save on"),
     (["--memory.profile_step", "-1"], "`memory.profile_step` must be >= 0"),
+    (["--model.lora_r", "8"], r"`model.lora_r` is set but LoRA is off: set `model.use_peft: true`"),
+    (["--model.use_peft", "true", "--model.lora_target_modules", "[q_prj, v_proj]"],
+     r"\['q_prj'\] match\(es\) no module of this mistral model; its linear layers are .*'q_proj'"),
+    (["--model.use_peft", "true", "--model.lora_target_modules", ".*nothing.*"], "Fix `model.lora_target_modules`"),
+    (["--model.use_peft", "true", "--model.lora_target_modules", "[q_proj, lm_head]"], "drop `lm_head` there"),
+    (["--model.use_peft", "true", "--model.lora_r", "0"], "`model.lora_r` must be at least 1"),
+    (["--model.use_peft", "true", "--model.lora_dropout", "1.5"], r"`model.lora_dropout` must be in \[0, 1\)"),
+    (["--model.use_peft", "true", "--model.lora_save_merged", "true"], "random-init `model.architecture`"),
+    (["--model.use_peft", "true", "--sync_ref_model", "true"], "set `sync_ref_model: false`"),
+    (["--model.use_peft", "true", "--memory.sgd_in_backward", "true"], "set `memory.sgd_in_backward: false`"),
 ])
 def test_bad_recipe_values(argv, message):
     with pytest.raises(RecipeError, match=message):
@@ -211,3 +221,9 @@ def test_more_processes_than_gpus_names_the_launcher_flag():
     check_processes_per_gpu(8, 8)
     with pytest.raises(RecipeError, match="8 processes on this node but 1 GPU.*--num_processes 1.*--num_gpus 1"):
         check_processes_per_gpu(8, 1)
+
+
+def test_a_section_key_given_at_the_top_level_names_its_section():
+    """TRL's scripts take `--use_peft` / `--lora_r` at the top level; here they are `model:` keys."""
+    with pytest.raises(RecipeError, match=r"`use_peft` is a `model:` key: write `model.use_peft`"):
+        check("--use_peft", "true")

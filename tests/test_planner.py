@@ -183,3 +183,22 @@ def test_shipped_128k_recipe_is_planned_per_rank():
     result = plan(load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_128k_sp8.yaml")), 8, 80.0,
                   ds_config=check_deepspeed_config(os.path.join(ROOT, "ds_configs", "zero3.json")))
     assert result.fits and "sequence parallel 8" in result.calibrated_from
+
+
+def test_lora_keeps_one_copy_of_the_weights_and_optimizer_state_for_the_adapters_only():
+    """LoRA on one GPU: frozen bf16 weights (2 x P), fp32 adapters with gradient and Adam moments (16 x A), no
+    reference copy; A counted by PEFT on the model's skeleton, checked by hand here."""
+    from recipes.config import load_recipe, parse_overrides
+    from recipes.lora import adapter_params
+    from recipes.planner import plan
+
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_lora_64k.yaml"))
+    per_layer = 16 * ((5120 + 4096) + 2 * (5120 + 1024) + (4096 + 5120) + 3 * (5120 + 14336))  # q, k, v, o, MLP
+    a = adapter_params(recipe.model)
+    assert a == 40 * per_layer == 57_016_320
+    lora = plan(recipe, gpus=1, gpu_memory_gb=80)
+    assert lora.breakdown["reference_model"] == 0
+    assert lora.breakdown["model_states"] == round((2 * 12_247_782_400 + 16 * a) / 1e9, 2)
+    assert lora.checkpoint_gb == round(a * (4 + 8) / 1e9, 1)  # fp32 adapters + torch AdamW moments
+    full = plan(load_recipe(recipe.path, parse_overrides(["--model.use_peft", "false"])), gpus=1, gpu_memory_gb=80)
+    assert full.breakdown["reference_model"] > 24 and lora.peak_allocated_gb < full.peak_allocated_gb - 90

@@ -61,6 +61,7 @@ class Run:
     overrides: dict = field(default_factory=dict)
     weight_gb: float = 47.0  # expected peak reserved (GB), for scheduling only: 1 layer on ZeRO-3 measured 45-48
     compare: bool = True  # same model and data as `stock`: its step-1 gradient norm must match
+    planned: bool = True  # the planner's prediction is held to 10% (LoRA's is reported, not yet calibrated)
 
     @property
     def offloads(self) -> bool:
@@ -119,6 +120,15 @@ RUNS = {
     "stock+offload+liger": lever(activation_offloading="true", use_liger_kernel="true"),
     "layer+lean+liger+chunked3+head+offload": lever(activation_offloading="true", use_liger_kernel="true", **{
         "memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
+    # LoRA (model.use_peft): the one-GPU recipe as shipped, without DeepSpeed, short and at its 64k; and under ZeRO-3
+    # with every lever (TRL forces reentrant layer checkpointing for PEFT + ZeRO-3; our checkpoints nest in it)
+    "dpo_lora_64k/python": Run("dpo_lora_64k.yaml", launcher="python", weight_gb=15, compare=False, planned=False),
+    "dpo_lora_64k/python/64k": Run("dpo_lora_64k.yaml", launcher="python", layers=2, seq=65536, weight_gb=40,
+                                   compare=False, planned=False),
+    "lora+layer+norm_attn+lean+chunked4+head+offload": Run("dpo_12k.yaml", compare=False, planned=False, overrides={
+        **BASE, "activation_offloading": "true", "model.use_peft": "true", "model.lora_target_modules": "all-linear",
+        "memory.checkpointing": "layer+norm_attn", "memory.lean_norm": "true", "memory.lean_lm_head": "true",
+        "memory.mlp_chunks": "4"}),
     # the shipped combination of the 12k headline (dpo_12k's and dpo_64k's run above, as recipes)
     "layer+lean+chunked3+head+offload": lever(activation_offloading="true", **{
         "memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
@@ -342,7 +352,7 @@ def test_run_exits_0_starts_at_ln2_and_writes_telemetry(runs, name):
         assert os.path.exists(os.path.join(r["out_dir"], written)), written
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r.planned])
 def test_planner_within_10_percent_of_measured_peak_reserved(runs, name):
     s = runs[name]["summary"]
     assert s, runs[name]["log_tail"]
