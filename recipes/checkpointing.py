@@ -60,7 +60,7 @@ from .lean_norm import make_lean
 
 INNER = {"attn_mlp": ("attn", "mlp"), "norm_attn": ("norm", "attn"), "norm_attn_mlp": ("norm", "attn", "mlp")}
 POLICIES = ["none", "layer", *INNER, *(f"layer+{p}" for p in INNER)]
-SUPPORTED_MODELS = ("mistral", "llama", "qwen2")
+SUPPORTED_MODELS = ("mistral", "llama", "qwen2", "qwen3")  # Llama-3.x are `llama`, Qwen2.5 `qwen2`
 
 
 def check_policy(policy: str) -> None:
@@ -170,7 +170,7 @@ def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module 
 
 
 def decoder_modules(model: torch.nn.Module):
-    """(decoder layers, final norm) of a Mistral/Llama/Qwen2-shaped CausalLM, or a clear error."""
+    """(decoder layers, final norm) of a Mistral / Llama / Qwen2 / Qwen3 CausalLM, or a clear error."""
     model_type = getattr(model.config, "model_type", None)
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None)
@@ -181,6 +181,13 @@ def decoder_modules(model: torch.nn.Module):
             f"{model_type!r}. Set `memory.checkpointing: layer`."
         )
     return layers, backbone.norm
+
+
+def rms_norms(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every RMSNorm of a decoder layer: the two around attention and MLP, and Qwen3's per-head q_norm / k_norm
+    inside attention (checkpointed with attention, which holds them)."""
+    inside = [getattr(layer.self_attn, name, None) for name in ("q_norm", "k_norm")]
+    return [layer.input_layernorm, layer.post_attention_layernorm, *(n for n in inside if n is not None)]
 
 
 def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0,
@@ -197,7 +204,7 @@ def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0
         return wrapped
     layers, final_norm = decoder_modules(model)
     if lean_norm:  # first, so that a checkpoint wraps the lean forward
-        for norm in [final_norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+        for norm in [final_norm, *(n for layer in layers for n in rms_norms(layer))]:
             make_lean(norm)
             wrapped["lean_norm"] += 1
     if label:

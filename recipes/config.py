@@ -40,8 +40,11 @@ class ModelArgs:
     architecture (str, defaults to None): an architecture JSON (e.g. recipes/architectures/mistral_nemo_12b.json);
         the model is randomly initialised from it, for benchmarks. Exactly one of name_or_path / architecture.
     num_hidden_layers (int, defaults to None): override the layer count (reduced-layer runs of a big architecture).
-    tokenizer (str, defaults to None): a tokenizer directory or Hub id, or `byte` for the built-in byte-level tokenizer with a
-        chat template (one token per UTF-8 byte). Defaults to name_or_path.
+    tokenizer (str, defaults to None): a tokenizer directory or Hub id, or a byte-level tokenizer built in code (one
+        token per UTF-8 byte): `byte` (a minimal chat template), `byte-llama3` (Llama-3 header tokens and template),
+        `byte-chatml` (Qwen's ChatML), `byte-mistral` (Mistral's [INST] template). Defaults to name_or_path.
+    chat_template (str, defaults to None): a chat template that sets or replaces the tokenizer's: a Jinja file
+        (.jinja / .j2 / .txt) or the template itself. Needed for conversational data when the tokenizer has none.
     dtype (str, defaults to "bfloat16"): parameter dtype: bfloat16, float16 or float32.
     attn_implementation (str, defaults to "sdpa"): sdpa, eager or flash_attention_2.
     init_seed (int, defaults to 0): seed of the random initialisation; the reference model of a random-init run is
@@ -84,6 +87,7 @@ class ModelArgs:
     use_rslora: bool = False
     use_dora: bool = False
     lora_save_merged: bool = False
+    chat_template: str | None = None
 
 
 @dataclass

@@ -95,6 +95,37 @@ def load_train_data(args: DataArgs):
     return load_preferences(args.train_files, "train_files", args.max_train_samples)
 
 
+def check_chat_template(tokenizer, dataset, key: str = "train_files", rows: int = 200) -> str | None:
+    """Conversational pairs need a chat template that renders them. Before any model is loaded: no template is an
+    error naming `model.chat_template`; a template that refuses a row (Mistral's refuses a system turn) is an error
+    quoting it; messages a template silently leaves out come back as a warning line with a count (None if none)."""
+    first = dataset[0]
+    if not isinstance(first["chosen"], list):
+        return None  # standard (string) pairs: no template involved
+    if not getattr(tokenizer, "chat_template", None):
+        raise RecipeError(f"`data.{key}` holds conversations but the tokenizer has no chat template: set "
+                          "`model.chat_template` (a .jinja file or the template itself), or use a tokenizer that has one.")
+    from jinja2 import TemplateError
+
+    dropped, roles, checked = 0, set(), min(rows, len(dataset))
+    for i in range(checked):
+        row = dataset[i]
+        messages = (row.get("prompt") or []) + row["chosen"]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except TemplateError as e:
+            raise RecipeError(f"`data.{key}` row {i}: the chat template refuses it ({e}); fix the data or set "
+                              "`model.chat_template` to a template that accepts these roles.") from None
+        lost = {m["role"] for m in messages if str(m.get("content") or "").strip() not in text}
+        if lost:
+            dropped += 1
+            roles |= lost
+    if dropped:
+        return (f"chat template: {dropped} of the first {checked} pairs have messages the template leaves out (roles: "
+                f"{', '.join(sorted(roles))}); they train without them. Set `model.chat_template` to keep them.")
+    return None
+
+
 def _percentile(sorted_values: list[int], q: float) -> int:
     return sorted_values[min(len(sorted_values) - 1, int(round(q * (len(sorted_values) - 1))))]
 

@@ -22,32 +22,56 @@ BYTE_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-BYTE_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+# The families' real chat templates, verbatim from their instruct models' tokenizer_config.json
+LLAMA3_CHAT_TEMPLATE = (  # meta-llama/Meta-Llama-3-8B-Instruct
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+CHATML_CHAT_TEMPLATE = (  # Qwen/Qwen2-7B-Instruct (ChatML, as Qwen2.5 and Qwen3 without tools or thinking)
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + "
+    "message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MISTRAL_CHAT_TEMPLATE = (  # mistralai/Mistral-7B-Instruct-v0.1
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+# model.tokenizer value -> (pad, bos, eos, other special tokens, chat template)
+BYTE_TOKENIZERS = {
+    "byte": ("<pad>", "<s>", "</s>", ["<|system|>", "<|user|>", "<|assistant|>"], BYTE_CHAT_TEMPLATE),
+    "byte-llama3": ("<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|eot_id|>",
+                    ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"], LLAMA3_CHAT_TEMPLATE),
+    "byte-chatml": ("<|endoftext|>", None, "<|im_end|>", ["<|im_start|>"], CHATML_CHAT_TEMPLATE),
+    "byte-mistral": ("<pad>", "<s>", "</s>", ["[INST]", "[/INST]"], MISTRAL_CHAT_TEMPLATE),
+}
 
 
-def build_byte_tokenizer():
-    """A byte-level tokenizer built in code (no download): one token per UTF-8 byte, plus special tokens.
+def build_byte_tokenizer(kind: str = "byte"):
+    """A byte-level tokenizer built in code (no download): one token per UTF-8 byte, plus special tokens; `kind`
+    picks the special tokens and chat template (BYTE_TOKENIZERS: generic, or a family's real template).
 
     One byte = one token makes exact-length synthetic pairs trivial (recipes/data.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    pad, bos, eos, others, template = BYTE_TOKENIZERS[kind]
+    specials = [t for t in (pad, bos, eos, "<unk>", *others) if t]
     byte_chars = list(bytes_to_unicode().values())
-    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIAL_TOKENS)}
-    vocab.update({ch: len(BYTE_SPECIAL_TOKENS) + i for i, ch in enumerate(byte_chars)})
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({ch: len(specials) + i for i, ch in enumerate(byte_chars)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=BYTE_SPECIAL_TOKENS[4:],
-    )
-    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos,
+                                        unk_token="<unk>", additional_special_tokens=others)
+    tokenizer.chat_template = template
     return tokenizer
 
 
@@ -83,11 +107,34 @@ def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
 
 def load_tokenizer(args: ModelArgs):
     source = args.tokenizer or args.name_or_path
-    if source == "byte":
-        return build_byte_tokenizer()
-    from transformers import AutoTokenizer
+    if source in BYTE_TOKENIZERS:
+        tokenizer = build_byte_tokenizer(source)
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_source(source))
+        tokenizer = AutoTokenizer.from_pretrained(model_source(source))
+    if args.chat_template:
+        tokenizer.chat_template = read_chat_template(args.chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """`model.chat_template`: a Jinja file (.jinja / .j2 / .txt, relative to the working directory or the repo), or the
+    template itself."""
+    path = resolve_path(value)
+    if "{" not in value and os.path.splitext(value)[1] in (".jinja", ".j2", ".txt"):
+        if not os.path.isfile(path):
+            raise RecipeError(f"`model.chat_template` file {value!r} does not exist; give a Jinja file or the template "
+                              "itself.")
+        with open(path) as f:
+            return f.read()
+    if "{{" not in value and "{%" not in value:
+        raise RecipeError(f"`model.chat_template` {value[:60]!r} is neither a .jinja file nor a Jinja template "
+                          "(no `{{ }}` or `{% %}` in it).")
+    return value
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def load_architecture(args: ModelArgs):
@@ -145,9 +192,19 @@ def check_model_args(args: ModelArgs) -> None:
             f"`model.architecture` {args.architecture!r} does not exist; use a JSON in recipes/architectures/."
         )
     if args.architecture and not args.tokenizer:
-        raise RecipeError("A random-init model has no tokenizer: set `model.tokenizer: byte` or a tokenizer directory.")
-    if args.tokenizer and args.tokenizer != "byte":
+        raise RecipeError("A random-init model has no tokenizer: set `model.tokenizer: byte` (or byte-llama3, "
+                          "byte-chatml, byte-mistral) or a tokenizer directory.")
+    if args.tokenizer and args.tokenizer not in BYTE_TOKENIZERS:
         check_source("model.tokenizer", args.tokenizer, needs="tokenizer")
+    source = args.tokenizer or args.name_or_path
+    folder = model_source(source) if source not in BYTE_TOKENIZERS else None
+    if folder and os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        key = "model.tokenizer" if args.tokenizer else "model.name_or_path"
+        raise RecipeError(f"No tokenizer in {source!r} (`{key}`; none of {', '.join(TOKENIZER_FILES)}): set "
+                          "`model.tokenizer` to a tokenizer directory or Hub id (e.g. the base model's), or save the "
+                          "tokenizer there with `tokenizer.save_pretrained`.")
+    if args.chat_template:
+        read_chat_template(args.chat_template)
     if args.dtype not in DTYPES:
         raise RecipeError(f"`model.dtype` must be one of {', '.join(DTYPES)}, got {args.dtype!r}.")
     if args.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):

@@ -35,6 +35,26 @@ def check_deepspeed_config(path: str) -> dict:
     return cfg
 
 
+def check_family(recipe: Recipe) -> None:
+    """Levers that patch decoder modules need a family whose modules they know; the plain `layer` policy (and TRL's
+    own flags) run on any causal LM. Checked on the model's config, before loading."""
+    from .checkpointing import SUPPORTED_MODELS
+    from .modeling import load_architecture
+
+    mem = recipe.memory
+    levers = [name for name, on in (
+        (f"memory.checkpointing: {mem.checkpointing}", mem.checkpointing not in ("none", "layer")),
+        ("memory.lean_norm", mem.lean_norm), ("memory.mlp_chunks", mem.mlp_chunks), ("memory.tiled_mlp", mem.tiled_mlp))
+        if on]
+    if not levers:
+        return
+    model_type = getattr(load_architecture(recipe.model), "model_type", None)
+    if model_type not in SUPPORTED_MODELS:
+        raise RecipeError(f"`{levers[0]}` patches the decoder layers of {', '.join(SUPPORTED_MODELS)} models "
+                          f"(Mistral, Llama-3, Qwen2.5, Qwen3); this model is {model_type!r}: turn it off "
+                          "(`memory.checkpointing: layer`, TRL's activation_offloading and the lean LM head still apply).")
+
+
 def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     t, mem = recipe.trainer, recipe.memory
     check_model_args(recipe.model)
@@ -47,6 +67,7 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         raise RecipeError("`memory.sgd_in_backward` emulates full fine-tuning of one ZeRO-3 rank; a LoRA run needs "
                           "no emulation (its optimizer state is the adapters'): set `memory.sgd_in_backward: false`.")
     check_policy(mem.checkpointing)
+    check_family(recipe)
     if recipe.parallelism.sp_size != 1:
         from .modeling import load_architecture
 

@@ -8,10 +8,19 @@ from recipes.config import ModelArgs, RecipeError
 from recipes.modeling import build_byte_tokenizer, build_model
 
 TINY = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
+# the supported families, each built in code with its tokenizer (Qwen2.5's tiny model ties its embeddings)
+FAMILIES = {name: ModelArgs(architecture=f"recipes/architectures/tiny_{name}.json", tokenizer=tok, dtype="float32")
+            for name, tok in (("mistral", "byte-mistral"), ("llama3", "byte-llama3"), ("qwen2_5", "byte-chatml"),
+                              ("qwen3", "byte-chatml"))}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(scope="module")
-def dpo_batch():
+def dpo_batch(family):
     """One real TRL DPO batch (chosen + rejected, padded, with completion mask) from the shipped data."""
     from trl import DPOConfig, DPOTrainer
 
@@ -19,10 +28,10 @@ def dpo_batch():
 
     args = DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, per_device_train_batch_size=4,
                      max_length=128, gradient_checkpointing=False)
-    trainer = DPOTrainer(model=build_model(TINY), ref_model=build_model(TINY), args=args,
+    trainer = DPOTrainer(model=build_model(family), ref_model=build_model(family), args=args,
                          train_dataset=load_preferences(["recipes/data/arithmetic_preferences.jsonl"]),
-                         processing_class=build_byte_tokenizer())
-    return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+                         processing_class=build_byte_tokenizer(family.tokenizer))
+    return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader()))), family
 
 
 def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean: bool = False,
@@ -30,13 +39,13 @@ def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    trainer, inputs = dpo_batch
-    model = build_model(TINY)
+    trainer, inputs, args = dpo_batch
+    model = build_model(args)
     if uses_transformers_layer_checkpointing(policy):
         model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    trainer.ref_model = build_model(ModelArgs(**{**TINY.__dict__, "init_seed": 1}))
+    trainer.ref_model = build_model(ModelArgs(**{**args.__dict__, "init_seed": 1}))
     add_fused_lm_head(trainer.ref_model)
     model.train()
     trainer.model = model
@@ -71,7 +80,27 @@ def test_loss_and_every_gradient_equal_unpatched(dpo_batch, reference, policy, t
 def test_lean_norm_changes_no_loss_or_gradient(dpo_batch, reference, policy, chunks):
     _, ref_loss, ref_grads, _ = reference
     model, loss, grads, wrapped = loss_and_grads(dpo_batch, policy, chunks=chunks, lean=True)
-    assert wrapped["lean_norm"] == 2 * len(model.model.layers) + 1
+    per_layer = 4 if model.config.model_type == "qwen3" else 2  # Qwen3: q_norm and k_norm inside attention too
+    assert wrapped["lean_norm"] == per_layer * len(model.model.layers) + 1
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-5), name
+
+
+def test_lean_lm_head_changes_no_loss_or_gradient(dpo_batch, reference, monkeypatch):
+    """The lean LM-head backward in place of TRL's, with the lean norms and MLP chunks: the tied head of Qwen2.5's
+    small models gets the embedding's gradient plus the head's, as unpatched."""
+    from recipes import lean_lm_head
+
+    calls = []
+    backward = lean_lm_head.LeanLMHeadLogProb.backward
+    monkeypatch.setattr(lean_lm_head.LeanLMHeadLogProb, "backward",
+                        staticmethod(lambda ctx, *grads: calls.append(1) or backward(ctx, *grads)))
+    _, ref_loss, ref_grads, _ = reference
+    with lean_lm_head.routed(True):
+        model, loss, grads, _ = loss_and_grads(dpo_batch, "layer", chunks=2, lean=True)
+    assert calls  # the lean backward ran
+    assert model.config.tie_word_embeddings == (model.config.model_type == "qwen2")
     assert torch.allclose(loss, ref_loss, atol=1e-6)
     for name, g in grads.items():
         assert torch.allclose(g, ref_grads[name], atol=1e-5), name
@@ -146,7 +175,7 @@ def test_unknown_policy_and_unsupported_model_are_clear_errors():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(RecipeError, match="support mistral, llama, qwen2"):
+    with pytest.raises(RecipeError, match="support mistral, llama, qwen2, qwen3"):
         apply_memory_patches(gpt2, "norm_attn")
     assert apply_memory_patches(gpt2, "layer") == {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0,
                                                      "lean_norm": 0}
