@@ -77,6 +77,7 @@ class Setup:
     sp: int = 1  # sequence-parallel group size: each rank holds 1/sp of every sequence
     offload_pinned: bool = True  # pinned host blocks are rounded up to a power of two; pageable ones are not
     lora_params: int = 0  # LoRA: trainable adapter parameters (0: full fine-tuning)
+    model_type: str = "mistral"
 
     @property
     def tokens(self) -> int:
@@ -243,6 +244,9 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     breakdown = {"model_states": states, "reference_model": ref, "gathered_weights": gathered,
                  "activations_checkpointed": stored, "activations_peak_layer_and_lm_head": per_token,
                  "optimizer_step_transient": step, "allocator_overhead": reserved - allocated}
+    if s.model_type != "mistral" or s.hidden != cal.get("hidden", s.hidden):
+        source += (f"; calibrated on the 12B Mistral architecture (hidden {cal.get('hidden')}); this is {s.model_type} "
+                   f"(hidden {s.hidden}), modelled from it: expect more than the 10% error held there")
     if a:
         source += f"; LoRA ({a / 1e6:.1f} M adapter parameters): activations taken from full fine-tuning"
     if s.sp > 1:
@@ -278,7 +282,7 @@ def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict
                  config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm,
                                     mem.lean_lm_head, bool(t.get("use_liger_kernel"))),
                  allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size, offload_pinned=mem.offload_pin_memory,
-                 lora_params=lora_params)
+                 lora_params=lora_params, model_type=getattr(arch, "model_type", "mistral"))
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.

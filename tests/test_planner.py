@@ -202,3 +202,21 @@ def test_lora_keeps_one_copy_of_the_weights_and_optimizer_state_for_the_adapters
     assert lora.checkpoint_gb == round(a * (4 + 8) / 1e9, 1)  # fp32 adapters + torch AdamW moments
     full = plan(load_recipe(recipe.path, parse_overrides(["--model.use_peft", "false"])), gpus=1, gpu_memory_gb=80)
     assert full.breakdown["reference_model"] > 24 and lora.peak_allocated_gb < full.peak_allocated_gb - 90
+
+
+@pytest.mark.parametrize("name,billions", [("llama3_8b", 8.03), ("qwen2_5_7b", 7.62), ("qwen2_5_14b", 14.77),
+                                           ("qwen3_8b", 8.19), ("qwen3_14b", 14.77)])
+def test_family_architectures_have_their_published_sizes(name, billions):
+    """The planner's count (from the config's sizes) equals the model transformers builds (on the meta device), and
+    the published size; Qwen2's q/k/v biases and Qwen3's q/k norms are the small difference allowed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from recipes.config import ModelArgs
+    from recipes.modeling import load_architecture
+
+    config = load_architecture(ModelArgs(architecture=f"recipes/architectures/{name}.json"))
+    with torch.device("meta"):
+        built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    counted = count_params(config)[0]
+    assert abs(counted - built) <= 1e-4 * built and round(built / 1e9, 2) == billions
