@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from trl import DPOConfig, DPOTrainer
 
-    from recipes.data import check_chat_template, length_report, load_preferences, load_train_data
+    from recipes.data import check_chat_template, length_report, load_eval_data, load_train_data
     from recipes.distributed import skip_cpu_shm_allreduce, teach_accelerate_cpu_gloo
     from recipes.emulation import local_parameters, parameter_bytes, sgd_in_backward
     from recipes.modeling import build_model, load_architecture, load_tokenizer
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     dropped_roles = check_chat_template(tokenizer, train_raw)
     if dropped_roles and is_main:
         logger.warning(dropped_roles)
-    eval_raw = load_preferences(recipe.data.eval_files, "eval_files") if recipe.data.eval_files else None
+    eval_raw = load_eval_data(recipe.data)
     if eval_raw is not None:
         check_chat_template(tokenizer, eval_raw, "eval_files")
 

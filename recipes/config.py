@@ -103,6 +103,17 @@ class DataArgs:
         per_device_train_batch_size x gradient_accumulation_steps x data-parallel ranks.
     synthetic (dict, defaults to None): instead of files, `{pairs: N, seq_tokens: L, prompt_tokens: P}` builds N
         standard pairs of exactly L tokens (prompt + completion + EOS) for the byte tokenizer (benchmarks).
+    dataset_name (str, defaults to None): instead of files, a Hub dataset id (through your Hugging Face cache) or a
+        local dataset folder, loaded with `datasets.load_dataset(dataset_name, dataset_config, split=dataset_split)`.
+    dataset_config (str, defaults to None): its configuration (subset) name.
+    dataset_split (str, defaults to "train"): the split to train on.
+    eval_split (str, defaults to None): a split of `dataset_name` to evaluate on (e.g. `test`).
+    columns (dict, defaults to None): your column names for TRL's, e.g. `{prompt: question, chosen: response_chosen,
+        rejected: response_rejected}`; other columns are dropped.
+    mixture (list[dict], defaults to None): several sources mixed as alignment-handbook's `dataset_mixer`: each
+        `{name: org/dataset, config, split, fraction, columns, test_split}` or `{files: [...], fraction, columns}`;
+        the first `fraction` (in (0, 1]) of each source's rows, concatenated and shuffled (seed 42); the
+        `test_split`s, whole, are the evaluation set.
     """
 
     train_files: list[str] = field(default_factory=list)
@@ -110,6 +121,12 @@ class DataArgs:
     max_train_samples: int | None = None
     global_batch_size: int | None = None
     synthetic: dict | None = None
+    dataset_name: str | None = None
+    dataset_config: str | None = None
+    dataset_split: str = "train"
+    eval_split: str | None = None
+    columns: dict | None = None
+    mixture: list[dict] | None = None
 
 
 @dataclass

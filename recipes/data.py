@@ -16,6 +16,8 @@ import string
 from .config import DataArgs, RecipeError, resolve_path
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+SOURCE_KEYS = ("name", "files", "config", "split", "test_split", "fraction", "columns")
 
 
 def check_data_args(args: DataArgs) -> None:
@@ -24,33 +26,76 @@ def check_data_args(args: DataArgs) -> None:
         args.train_files = [args.train_files]
     if isinstance(args.eval_files, str):
         args.eval_files = [args.eval_files]
+    given = [k for k, on in (("train_files", args.train_files), ("dataset_name", args.dataset_name),
+                             ("mixture", args.mixture), ("synthetic", args.synthetic is not None)) if on]
+    if len(given) > 1:
+        raise RecipeError(f"Set one source of training data; {' and '.join(f'`data.{k}`' for k in given)} are all set.")
+    if not given:
+        raise RecipeError("No training data: set `data.train_files` (JSONL/JSON/Parquet files or a dataset directory), "
+                          "`data.dataset_name` (a Hub dataset) or `data.mixture`.")
     if args.synthetic is not None:
         keys = {"pairs", "seq_tokens", "prompt_tokens"}
         if not isinstance(args.synthetic, dict) or set(args.synthetic) != keys:
             raise RecipeError(f"`data.synthetic` must be a mapping with exactly the keys {sorted(keys)}.")
-        if args.train_files:
-            raise RecipeError("Set either `data.train_files` or `data.synthetic`, not both.")
         s = args.synthetic
         if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
             raise RecipeError("`data.synthetic` needs pairs >= 1 and 0 < prompt_tokens < seq_tokens - 1.")
-    elif not args.train_files:
-        raise RecipeError("No training data: set `data.train_files` to JSONL/JSON/Parquet files or a dataset directory.")
-    for key in ("train_files", "eval_files"):
-        for f in getattr(args, key):
-            path = resolve_path(f)
-            if not os.path.exists(path):
-                raise RecipeError(f"`data.{key}` entry {f!r} does not exist; fix the path in the recipe.")
-            if os.path.isfile(path) and os.path.splitext(path)[1] not in LOADERS:
-                raise RecipeError(
-                    f"`data.{key}` entry {f!r} has an unsupported extension; use .jsonl, .json, .parquet "
-                    "or a `datasets.save_to_disk` directory."
-                )
+    if args.columns is not None:
+        _check_columns(args.columns, "data.columns")
+    if args.mixture is not None:
+        _check_mixture(args)
+    if args.eval_split and not args.dataset_name:
+        raise RecipeError("`data.eval_split` names a split of `data.dataset_name`; for files use `data.eval_files`, "
+                          "in a mixture `test_split` per source.")
+    files = [("train_files", f) for f in args.train_files] + [("eval_files", f) for f in args.eval_files] + [
+        (f"mixture[{i}].files", f) for i, src in enumerate(args.mixture or []) for f in src.get("files", [])]
+    for key, f in files:
+        path = resolve_path(f)
+        if not os.path.exists(path):
+            raise RecipeError(f"`data.{key}` entry {f!r} does not exist; fix the path in the recipe.")
+        if os.path.isfile(path) and os.path.splitext(path)[1] not in LOADERS:
+            raise RecipeError(
+                f"`data.{key}` entry {f!r} has an unsupported extension; use .jsonl, .json, .parquet "
+                "or a `datasets.save_to_disk` directory."
+            )
     if args.max_train_samples is not None and args.max_train_samples < 1:
         raise RecipeError(f"`data.max_train_samples` must be at least 1, got {args.max_train_samples}.")
 
 
-def load_preferences(files: list[str], key: str = "train_files", max_samples: int | None = None):
-    """Load the files into one `datasets.Dataset` and check it holds preference pairs."""
+def _check_columns(columns, key: str) -> None:
+    if not isinstance(columns, dict) or not columns or not set(columns) <= set(PAIR_COLUMNS) or \
+            not all(isinstance(v, str) for v in columns.values()):
+        raise RecipeError(f"`{key}` maps TRL's column names to yours: `{{prompt: question, chosen: good, rejected: "
+                          f"bad}}` (keys among {', '.join(PAIR_COLUMNS)}), got {columns!r}.")
+
+
+def _check_mixture(args: DataArgs) -> None:
+    if not isinstance(args.mixture, list) or not args.mixture:
+        raise RecipeError("`data.mixture` is a list of sources: `[{name: org/a, fraction: 0.5}, {files: [b.jsonl]}]`.")
+    for i, src in enumerate(args.mixture):
+        key = f"data.mixture[{i}]"
+        if not isinstance(src, dict):
+            raise RecipeError(f"`{key}` must be a mapping like `{{name: org/dataset, fraction: 0.5}}`, got {src!r}.")
+        unknown = set(src) - set(SOURCE_KEYS)
+        if unknown:
+            raise RecipeError(f"`{key}` has unknown key(s) {sorted(unknown)}; a source takes {', '.join(SOURCE_KEYS)}.")
+        if ("name" in src) == ("files" in src):
+            raise RecipeError(f"`{key}` needs exactly one of `name` (a Hub dataset or dataset folder) and `files`.")
+        if isinstance(src.get("files"), str):
+            src["files"] = [src["files"]]
+        fraction = src.get("fraction", 1.0)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise RecipeError(f"`{key}.fraction` is the share of the source's rows to train on, in (0, 1]; got "
+                              f"{fraction!r}.")
+        if "columns" in src:
+            _check_columns(src["columns"], f"{key}.columns")
+        if "files" in src and "test_split" in src:
+            raise RecipeError(f"`{key}`: `test_split` names a split of a `name` source; for files use "
+                              "`data.eval_files`.")
+
+
+def _read_files(files: list[str], key: str):
+    """JSONL / JSON / Parquet files, or one `save_to_disk` directory, as one `datasets.Dataset`."""
     import datasets
 
     paths = [resolve_path(f) for f in files]
@@ -60,39 +105,133 @@ def load_preferences(files: list[str], key: str = "train_files", max_samples: in
             if "train" not in ds:
                 raise RecipeError(f"`data.{key}`: the DatasetDict at {files[0]!r} has no `train` split.")
             ds = ds["train"]
-    else:
-        exts = {os.path.splitext(p)[1] for p in paths}
-        builders = {LOADERS.get(e) for e in exts}
-        if len(builders) != 1 or None in builders:
-            raise RecipeError(f"`data.{key}` mixes file types {sorted(exts)}; use one of .jsonl/.json/.parquet.")
-        empty = [f for f, p in zip(files, paths) if os.path.getsize(p) == 0]
-        if empty:
-            raise RecipeError(f"`data.{key}` file(s) {empty} are empty; fill them or remove them from the recipe.")
-        try:
-            ds = datasets.load_dataset(builders.pop(), data_files=paths, split="train")
-        except datasets.exceptions.DatasetGenerationError as e:
-            cause = e.__cause__ or e
-            raise RecipeError(f"`data.{key}` could not be read ({type(cause).__name__}: {str(cause)[:200]}); "
-                              "fix the file (one JSON object per line for .jsonl).") from None
+        return ds
+    exts = {os.path.splitext(p)[1] for p in paths}
+    builders = {LOADERS.get(e) for e in exts}
+    if len(builders) != 1 or None in builders:
+        raise RecipeError(f"`data.{key}` mixes file types {sorted(exts)}; use one of .jsonl/.json/.parquet.")
+    empty = [f for f, p in zip(files, paths) if os.path.getsize(p) == 0]
+    if empty:
+        raise RecipeError(f"`data.{key}` file(s) {empty} are empty; fill them or remove them from the recipe.")
+    try:
+        return datasets.load_dataset(builders.pop(), data_files=paths, split="train")
+    except datasets.exceptions.DatasetGenerationError as e:
+        cause = e.__cause__ or e
+        raise RecipeError(f"`data.{key}` could not be read ({type(cause).__name__}: {str(cause)[:200]}); "
+                          "fix the file (one JSON object per line for .jsonl).") from None
+
+
+def _read_hub(name: str, config: str | None, split: str, key: str):
+    """A dataset by Hub id (from the `datasets` cache, or the Hub) or a local dataset folder, via load_dataset."""
+    import datasets
+    from huggingface_hub import constants
+
+    local = resolve_path(name)
+    try:
+        return datasets.load_dataset(local if os.path.isdir(local) else name, config, split=split)
+    except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+        offline = (" (HF_HUB_OFFLINE=1 is set: only datasets loaded before are read; unset it, or load the dataset "
+                   "once with network)") if constants.HF_HUB_OFFLINE else ""
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise RecipeError(f"`{key}` {name!r} (config {config!r}, split {split!r}) could not be loaded{offline}: "
+                          f"{reason}") from None
+
+
+def _check_pairs(ds, key: str):
     missing = {"chosen", "rejected"} - set(ds.column_names)
     if missing:
         raise RecipeError(
             f"`data.{key}` rows lack column(s) {sorted(missing)} (found {ds.column_names}); preference pairs need "
-            "`chosen` and `rejected` (and `prompt`, unless chosen/rejected are conversations sharing their prompt)."
+            "`chosen` and `rejected` (and `prompt`, unless chosen/rejected are conversations sharing their prompt); "
+            "map other names with `data.columns: {prompt: ..., chosen: ..., rejected: ...}`."
         )
     if len(ds) == 0:
         raise RecipeError(f"`data.{key}` holds no rows.")
+    return ds
+
+
+def load_preferences(files: list[str], key: str = "train_files", max_samples: int | None = None):
+    """Load the files into one `datasets.Dataset` and check it holds preference pairs."""
+    ds = _check_pairs(_read_files(files, key), key)
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     return ds
 
 
+def _renamed(ds, columns: dict | None, key: str):
+    """`columns: {prompt: question, ...}`: the dataset's columns renamed to TRL's; the others dropped."""
+    if columns:
+        absent = [src for src in columns.values() if src not in ds.column_names]
+        if absent:
+            raise RecipeError(f"`{key}` maps from column(s) {absent} that the data does not have (found "
+                              f"{ds.column_names}).")
+        ds = ds.rename_columns({src: dst for dst, src in columns.items() if src != dst})
+    keep = [c for c in PAIR_COLUMNS if c in ds.column_names]
+    return ds.select_columns(keep) if keep else ds
+
+
+def sources(args: DataArgs) -> list[dict]:
+    """The data section as a list of sources: a mixture, one Hub dataset, or files."""
+    if args.mixture:
+        return args.mixture
+    if args.dataset_name:
+        return [{"name": args.dataset_name, "config": args.dataset_config, "split": args.dataset_split,
+                 "columns": args.columns, "test_split": args.eval_split}]
+    return [{"files": args.train_files, "columns": args.columns}]
+
+
+def _load_source(src: dict, i: int | None, split_key: str = "split"):
+    where = "data" if i is None else f"data.mixture[{i}]"
+    if "files" in src:
+        ds = _read_files(src["files"], "train_files" if i is None else f"mixture[{i}].files")
+    else:
+        ds = _read_hub(src["name"], src.get("config"), src.get(split_key) or "train",
+                       "data.dataset_name" if i is None else f"{where}.name")
+    return _renamed(ds, src.get("columns"), f"{where}.columns")
+
+
+def _concatenate(parts: list, key: str):
+    import datasets
+
+    if len(parts) == 1:
+        return parts[0]
+    try:
+        return datasets.concatenate_datasets(parts).shuffle(seed=42)  # alignment-handbook's dataset_mixer order
+    except ValueError as e:
+        raise RecipeError(f"`{key}`: the sources cannot be mixed, their columns differ ({str(e).splitlines()[0][:160]}"
+                          "); give them one format (all strings or all conversations) and map names with "
+                          "`columns`.") from None
+
+
 def load_train_data(args: DataArgs):
+    """The training pairs: synthetic, files, a Hub dataset, or a mixture (each source's first `fraction` of its rows,
+    concatenated and shuffled with seed 42: alignment-handbook's `dataset_mixer`)."""
     if args.synthetic:
         import datasets
 
         return datasets.Dataset.from_list(synthetic_pairs(**args.synthetic))
-    return load_preferences(args.train_files, "train_files", args.max_train_samples)
+    mixed = args.mixture is not None
+    parts = []
+    for i, src in enumerate(sources(args)):
+        ds = _load_source(src, i if mixed else None)
+        fraction = src.get("fraction", 1.0)
+        parts.append(ds.select(range(max(1, int(fraction * len(ds))))) if fraction < 1 else ds)
+    ds = _check_pairs(_concatenate(parts, "data.mixture"), "mixture" if mixed else "train_files")
+    if args.max_train_samples is not None:
+        ds = ds.select(range(min(args.max_train_samples, len(ds))))
+    return ds
+
+
+def load_eval_data(args: DataArgs):
+    """`data.eval_files`, else each source's `test_split` (the whole split, as alignment-handbook takes it)."""
+    if args.eval_files:
+        return load_preferences(args.eval_files, "eval_files")
+    if args.synthetic:
+        return None
+    mixed = args.mixture is not None
+    parts = [_load_source(src, i if mixed else None, "test_split") for i, src in enumerate(sources(args))
+             if src.get("test_split")]
+    return _check_pairs(_concatenate(parts, "data.mixture"), "eval_split") if parts else None
 
 
 def check_chat_template(tokenizer, dataset, key: str = "train_files", rows: int = 200) -> str | None:

@@ -71,8 +71,11 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     if recipe.parallelism.sp_size != 1:
         from .modeling import load_architecture
 
+        d = recipe.data
+        evaluating = bool(d.eval_files or d.eval_split or any(isinstance(src, dict) and src.get("test_split")
+                                                              for src in d.mixture or []))
         check_sequence_parallel(recipe.parallelism.sp_size, world_size, load_architecture(recipe.model), t,
-                                recipe.model.attn_implementation, evaluating=bool(recipe.data.eval_files))
+                                recipe.model.attn_implementation, evaluating=evaluating)
     if mem.allocator_conf:
         allocator.parse(mem.allocator_conf)
     liger.check(t, cuda_available)

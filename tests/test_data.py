@@ -59,3 +59,114 @@ def test_synthetic_pairs_have_exact_token_lengths():
         assert len(ex["prompt_ids"]) == 40
         assert len(ex["prompt_ids"]) + len(ex["chosen_ids"]) == 300
         assert len(ex["prompt_ids"]) + len(ex["rejected_ids"]) == 300
+
+
+# ---- Hub-style datasets, column mapping, mixtures (local stand-ins; the same load_dataset call as a Hub id) --------
+
+def dataset_folder(root, name, rows_train, rows_test=0, cols=("question", "good", "bad")):
+    """A dataset laid out as on the Hub: data/train.jsonl and data/test.jsonl, with the user's own column names."""
+    folder = root / name / "data"
+    folder.mkdir(parents=True)
+    for split, n in (("train", rows_train), ("test", rows_test)):
+        if n:
+            with open(folder / f"{split}.jsonl", "w") as f:
+                for i in range(n):
+                    f.write(json.dumps(dict(zip(cols, (f"{name} q{i}", f" {name} good {i}", f" bad {i}")))) + "\n")
+    return str(root / name)
+
+
+def data_args(**kw):
+    from recipes.config import DataArgs
+    from recipes.data import check_data_args
+
+    args = DataArgs(**kw)
+    check_data_args(args)
+    return args
+
+
+def test_a_dataset_by_name_with_split_and_column_mapping(tmp_path):
+    from recipes.data import load_eval_data, load_train_data
+
+    name = dataset_folder(tmp_path, "prefs", 10, 3)
+    args = data_args(dataset_name=name, eval_split="test",
+                     columns={"prompt": "question", "chosen": "good", "rejected": "bad"})
+    train, test = load_train_data(args), load_eval_data(args)
+    assert (len(train), len(test)) == (10, 3)
+    assert train.column_names == ["prompt", "chosen", "rejected"] and train[0]["prompt"] == "prefs q0"
+
+
+def test_a_mixture_takes_each_sources_fraction_and_its_test_split(tmp_path):
+    """alignment-handbook's dataset_mixer: the first fraction of each source's train rows, concatenated and shuffled;
+    the test splits whole."""
+    from recipes.data import load_eval_data, load_train_data
+
+    mapping = {"prompt": "question", "chosen": "good", "rejected": "bad"}
+    a = dataset_folder(tmp_path, "a", 10, 4)
+    b = dataset_folder(tmp_path, "b", 6, 2, cols=("prompt", "chosen", "rejected"))
+    files = tmp_path / "c.jsonl"
+    files.write_text("".join(json.dumps(r) + "\n" for r in STANDARD))
+    args = data_args(mixture=[{"name": a, "fraction": 0.5, "columns": mapping, "test_split": "test"},
+                              {"name": b, "test_split": "test"}, {"files": [str(files)], "fraction": 0.5}])
+    train, test = load_train_data(args), load_eval_data(args)
+    assert len(train) == 5 + 6 + 3 and len(test) == 4 + 2
+    prompts = train["prompt"]
+    assert sum(p.startswith("a q") for p in prompts) == 5 and {f"a q{i}" for i in range(5)} <= set(prompts)
+    assert prompts != sorted(prompts, key=lambda p: (not p.startswith("a"), not p.startswith("b")))  # shuffled
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"dataset_name": "x", "train_files": ["recipes/data/arithmetic_preferences.jsonl"]},
+     "Set one source of training data; `data.train_files` and `data.dataset_name`"),
+    ({"train_files": ["recipes/data/arithmetic_preferences.jsonl"], "columns": {"question": "prompt"}},
+     r"`data.columns` maps TRL's column names to yours"),
+    ({"mixture": [{"name": "a", "fraction": 1.5}]}, r"`data.mixture\[0\].fraction` is the share .* in \(0, 1\]"),
+    ({"mixture": [{"name": "a", "weight": 1}]}, r"`data.mixture\[0\]` has unknown key\(s\) \['weight'\]"),
+    ({"mixture": [{"name": "a", "files": ["b.jsonl"]}]}, "needs exactly one of `name`"),
+    ({"mixture": [{"files": ["nope.jsonl"]}]}, r"`data.mixture\[0\].files` entry 'nope.jsonl' does not exist"),
+    ({"train_files": ["recipes/data/arithmetic_preferences.jsonl"], "eval_split": "test"}, "for files use"),
+])
+def test_bad_data_sections_are_one_line_before_anything_is_read(kw, message):
+    from recipes.config import RecipeError
+
+    with pytest.raises(RecipeError, match=message):
+        data_args(**kw)
+
+
+def test_a_mapped_column_that_is_not_there_names_the_columns_found(tmp_path):
+    from recipes.config import RecipeError
+    from recipes.data import load_train_data
+
+    args = data_args(dataset_name=dataset_folder(tmp_path, "p", 3), columns={"prompt": "query"})
+    with pytest.raises(RecipeError, match=r"maps from column\(s\) \['query'\] .*found \['question', 'good', 'bad'\]"):
+        load_train_data(args)
+
+
+def test_an_uncached_hub_dataset_offline_is_one_line(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from recipes.config import RecipeError
+    from recipes.data import load_train_data
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RecipeError, match=r"`data.dataset_name` 'someone/prefs' .* could not be loaded \(HF_HUB_OFFLINE"):
+        load_train_data(data_args(dataset_name="someone/prefs"))
+
+
+def test_the_entrypoint_trains_on_a_mixture_and_evaluates_on_its_test_splits(tmp_path):
+    import math
+
+    from conftest import run_train, summary
+
+    a = dataset_folder(tmp_path, "a", 16, 4)
+    b = dataset_folder(tmp_path, "b", 8, 4, cols=("prompt", "chosen", "rejected"))
+    mixture = (f"[{{name: {a}, fraction: 0.5, test_split: test, columns: {{prompt: question, chosen: good, "
+               f"rejected: bad}}}}, {{name: {b}, test_split: test}}]")
+    proc = run_train(tmp_path / "out", "--data.train_files", "[]", "--data.mixture", mixture, "--max_steps", "2",
+                     "--save_strategy", "no", "--report_to", "none", "--eval_strategy", "steps", "--eval_steps", "2",
+                     "--per_device_eval_batch_size", "4")
+    s = summary(tmp_path / "out")
+    assert s["length_report"]["pairs"] == 8 + 8 and abs(s["losses"][0] - math.log(2)) < 1e-4
+    assert "'eval_loss'" in proc.stdout  # the 4 + 4 test rows were evaluated at step 2
