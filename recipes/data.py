@@ -26,13 +26,6 @@ def check_data_args(args: DataArgs) -> None:
         args.train_files = [args.train_files]
     if isinstance(args.eval_files, str):
         args.eval_files = [args.eval_files]
-    given = [k for k, on in (("train_files", args.train_files), ("dataset_name", args.dataset_name),
-                             ("mixture", args.mixture), ("synthetic", args.synthetic is not None)) if on]
-    if len(given) > 1:
-        raise RecipeError(f"Set one source of training data; {' and '.join(f'`data.{k}`' for k in given)} are all set.")
-    if not given:
-        raise RecipeError("No training data: set `data.train_files` (JSONL/JSON/Parquet files or a dataset directory), "
-                          "`data.dataset_name` (a Hub dataset) or `data.mixture`.")
     if args.synthetic is not None:
         keys = {"pairs", "seq_tokens", "prompt_tokens"}
         if not isinstance(args.synthetic, dict) or set(args.synthetic) != keys:
@@ -40,6 +33,13 @@ def check_data_args(args: DataArgs) -> None:
         s = args.synthetic
         if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
             raise RecipeError("`data.synthetic` needs pairs >= 1 and 0 < prompt_tokens < seq_tokens - 1.")
+    given = [k for k, on in (("train_files", args.train_files), ("dataset_name", args.dataset_name),
+                             ("mixture", args.mixture), ("synthetic", args.synthetic is not None)) if on]
+    if len(given) > 1:
+        raise RecipeError(f"Set one source of training data; {' and '.join(f'`data.{k}`' for k in given)} are all set.")
+    if not given:
+        raise RecipeError("No training data: set `data.train_files` (JSONL/JSON/Parquet files or a dataset directory), "
+                          "`data.dataset_name` (a Hub dataset) or `data.mixture`.")
     if args.columns is not None:
         _check_columns(args.columns, "data.columns")
     if args.mixture is not None:
