@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from trl import DPOConfig, DPOTrainer
 
-    from recipes.data import check_chat_template, length_report, load_eval_data, load_train_data
+    from recipes.data import check_chat_template, length_report, load_eval_data, load_train_data, truncation_warning
     from recipes.distributed import skip_cpu_shm_allreduce, teach_accelerate_cpu_gloo
     from recipes.emulation import local_parameters, parameter_bytes, sgd_in_backward
     from recipes.modeling import build_model, load_architecture, load_tokenizer
@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
     if is_main:
         logger.info("length report (tokens per sequence = prompt + longer completion): %s", report)
+        if truncation_warning(report):
+            logger.warning(truncation_warning(report))
         logger.info(
             "scale: %d ranks (sequence parallel %d x data parallel %d), %d pairs per optimizer step, up to %d "
             "tokens per step (2 x max_length x pairs); checkpointing=%s wrapped=%s tiled_mlp=%d allocator=%s (%s)",

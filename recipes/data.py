@@ -286,9 +286,19 @@ def length_report(tokenized, n_raw: int, max_length: int | None) -> dict:
         "tokens_p90": _percentile(lengths, 0.9),
         "tokens_max": lengths[-1],
         "truncated": sum(n > max_length for n in lengths) if max_length else 0,
+        "tokens_lost_share": round(sum(max(0, n - max_length) for n in lengths) / sum(lengths), 4) if max_length else 0.0,
         "dropped": n_raw - len(lengths),
         "max_length": max_length,
     }
+
+
+def truncation_warning(report: dict) -> str | None:
+    """A loud line when `max_length` cuts pairs: how many, and the share of their tokens lost."""
+    if not report["truncated"]:
+        return None
+    return (f"max_length {report['max_length']} truncates {report['truncated']} of {report['pairs']} pairs "
+            f"({report['tokens_lost_share']:.0%} of all tokens lost; longest pair {report['tokens_max']} tokens): raise "
+            "`max_length` unless this is intended.")
 
 
 def synthetic_pairs(pairs: int, seq_tokens: int, prompt_tokens: int, seed: int = 0) -> list[dict]:

@@ -180,4 +180,15 @@ def resolve_report_to(trainer: dict) -> list[str]:
         logger.warning(
             "tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)")
         report_to = [r for r in report_to if r != "tensorboard"] or ["none"]
+    missing = [r for r in report_to if r in REPORT_PACKAGES and importlib.util.find_spec(REPORT_PACKAGES[r]) is None]
+    if missing:
+        raise RecipeError(f"`report_to: {missing[0]}` needs the {REPORT_PACKAGES[missing[0]]} package, which is not "
+                          f"installed: `pip install {REPORT_PACKAGES[missing[0]]}`, or drop it from "
+                          "`report_to`.")
     return report_to
+
+
+# transformers' logging integrations (report_to names) and the package each needs
+REPORT_PACKAGES = {"wandb": "wandb", "comet_ml": "comet_ml", "mlflow": "mlflow", "neptune": "neptune",
+                   "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio",
+                   "codecarbon": "codecarbon", "azure_ml": "azureml", "dagshub": "dagshub", "flyte": "flytekit"}

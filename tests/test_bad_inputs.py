@@ -227,3 +227,16 @@ def test_a_section_key_given_at_the_top_level_names_its_section():
     """TRL's scripts take `--use_peft` / `--lora_r` at the top level; here they are `model:` keys."""
     with pytest.raises(RecipeError, match=r"`use_peft` is a `model:` key: write `model.use_peft`"):
         check("--use_peft", "true")
+
+
+def test_a_logging_integration_that_is_not_installed_is_one_line(monkeypatch):
+    """`report_to: wandb` without wandb failed after both models were loaded; now at start-up."""
+    import importlib.util
+
+    from recipes.validate import resolve_report_to
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(RecipeError, match=r"`report_to: wandb` needs the wandb package.*`pip install wandb`"):
+        resolve_report_to({"report_to": ["tensorboard", "wandb"]})
+    assert resolve_report_to({"report_to": "none"}) == ["none"]

@@ -40,7 +40,7 @@ def test_length_report_counts_truncated_and_dropped():
     report = length_report(tokenized, n_raw=5, max_length=8)
     # lengths: 3+4=7, 5+6=11, 2+9=11 -> sorted [7, 11, 11]
     assert report == {"pairs": 3, "tokens_p50": 11, "tokens_p90": 11, "tokens_max": 11, "truncated": 2,
-                      "dropped": 2, "max_length": 8}
+                      "tokens_lost_share": round(6 / 29, 4), "dropped": 2, "max_length": 8}
 
 
 def test_synthetic_pairs_have_exact_token_lengths():
@@ -170,3 +170,13 @@ def test_the_entrypoint_trains_on_a_mixture_and_evaluates_on_its_test_splits(tmp
     s = summary(tmp_path / "out")
     assert s["length_report"]["pairs"] == 8 + 8 and abs(s["losses"][0] - math.log(2)) < 1e-4
     assert "'eval_loss'" in proc.stdout  # the 4 + 4 test rows were evaluated at step 2
+
+
+def test_truncation_is_a_warning_with_the_count_and_the_share_of_tokens_lost():
+    from recipes.data import truncation_warning
+
+    tokenized = {"prompt_ids": [[1] * 3, [1] * 5], "chosen_ids": [[1] * 4, [1] * 1], "rejected_ids": [[1] * 2, [1] * 6]}
+    report = length_report(tokenized, n_raw=2, max_length=8)  # 7 and 11 tokens: one pair loses 3 of 18 tokens
+    assert report["truncated"] == 1 and report["tokens_lost_share"] == round(3 / 18, 4)
+    assert truncation_warning(report).startswith("max_length 8 truncates 1 of 2 pairs (17% of all tokens lost")
+    assert truncation_warning(length_report(tokenized, n_raw=2, max_length=20)) is None
