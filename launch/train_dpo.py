@@ -79,7 +79,27 @@ def parse_cli(argv: list[str]) -> dict:
     return cli
 
 
+def name_model_card(output_dir: str, model_args) -> None:
+    """TRL's model card names the base model by Hub id only: a local directory or a random initialisation read
+    "a fine-tuned version of [None](https://huggingface.co/None)" and `pipeline(model="None")`. Say what it was."""
+    card = os.path.join(output_dir, "README.md")
+    if not os.path.exists(card):
+        return
+    base = model_args.name_or_path or f"a random initialisation of `{model_args.architecture}`"
+    with open(card) as f:
+        text = f.read()
+    text = text.replace("a fine-tuned version of [None](https://huggingface.co/None)", f"a fine-tuned version of {base}")
+    text = text.replace('model="None"', f'model="{output_dir}"')
+    with open(card, "w") as f:
+        f.write(text)
+
+
 def main(argv: list[str] | None = None) -> dict:
+    import warnings
+
+    # TRL 1.16 calls transformers' deprecated `gradient_checkpointing_*` method names around every reference forward
+    # (3 FutureWarnings a run, seen with transformers 5.24): nothing a user can act on
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
     # ---- 1. allocator before CUDA: the memory callback is built before anything touches the GPU ----------------
     cli = parse_cli(sys.argv[1:] if argv is None else argv)
     if cli["recipe"] is None:
@@ -121,9 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- 3. logging and training arguments ---------------------------------------------------------------------
     trainer_kwargs = dict(recipe.trainer)
-    trainer_kwargs["gradient_checkpointing"] = uses_transformers_layer_checkpointing(memory.checkpointing)
+    trainer_kwargs["activation_checkpointing"] = uses_transformers_layer_checkpointing(memory.checkpointing)
     trainer_kwargs["report_to"] = resolve_report_to(trainer_kwargs)
     trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
+    trainer_kwargs.setdefault("dataloader_pin_memory", torch.cuda.is_available())  # on CPU torch warns it is unused
     trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
     if recipe.parallelism.sp_size > 1:  # evaluation's extra logits forward cannot be sequence-parallel
         trainer_kwargs.setdefault("prediction_loss_only", True)
@@ -288,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
         if is_main:
             tokenizer.save_pretrained(args.output_dir)
+            name_model_card(args.output_dir, recipe.model)
             if recipe.model.lora_save_merged:
                 logger.info("adapter merged into the base weights: %s",
                             lora.save_merged(args.output_dir, recipe.model, tokenizer))

@@ -94,11 +94,12 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         if getattr(mem, key) < 0:
             raise RecipeError(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
 
-    if "gradient_checkpointing" in t:
-        raise RecipeError(
-            "Set activation checkpointing with `memory.checkpointing` (layer = transformers' gradient checkpointing), "
-            "not `gradient_checkpointing`: remove that key."
-        )
+    for key in ("gradient_checkpointing", "activation_checkpointing"):
+        if key in t:
+            raise RecipeError(
+                "Set activation checkpointing with `memory.checkpointing` (layer = transformers' own per-layer "
+                f"checkpointing), not `{key}`: remove that key."
+            )
     if mem.empty_cache_steps and t.get("torch_empty_cache_steps"):
         raise RecipeError(
             "Both `memory.empty_cache_steps` and TRL's `torch_empty_cache_steps` are set, which would empty the cache "

@@ -52,6 +52,14 @@ def test_length_report_logged(quickstart):
     assert "length report" in log and "pairs per optimizer step" in log
 
 
+def test_the_quickstart_prints_no_warnings_a_user_cannot_act_on(quickstart):
+    """Our own keys are not deprecated ones, TRL's deprecated calls are not echoed, and no pinned-memory warning on
+    a CPU; the model card names no `None` base model."""
+    out, log = quickstart
+    assert "FutureWarning" not in log and "UserWarning" not in log, [l for l in log.splitlines() if "Warning" in l]
+    assert "[None]" not in open(os.path.join(out, "README.md")).read()
+
+
 def test_saved_model_reloads_with_trained_weights(quickstart):
     from transformers import AutoModelForCausalLM
 
