@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory.memory_cap_gb * 1e9 / total), args.device)
 
     resume = _resolve_resume(cli["resume"], args.output_dir, is_main)
+    done = resilience.steps_done(resume)
+    if done is not None and 0 < args.max_steps <= done and is_main:
+        logger.warning("%s already reached max_steps %d (step %d): nothing left to train; raise `max_steps` to train "
+                       "further", resume, args.max_steps, done)
     guard = resilience.ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints, recipe.run.on_nonfinite)
 
     # ---- 4. data -------------------------------------------------------------------------------------------------
@@ -506,8 +510,9 @@ def run() -> int:
             dist.barrier()  # no rank tears the process group down while another still uses it
         if "preempted_at" in summary:
             return EXIT_PREEMPTED
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except RecipeError as e:  # a recipe's mistake is every rank's: said once, by rank 0
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except OutOfMemory as e:
         print(f"error: {e}", file=sys.stderr)

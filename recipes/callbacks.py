@@ -65,12 +65,26 @@ class MemoryCallback(TrainerCallback):
         self._phase_peaks = None  # [allocated, reserved] peaks before the optimizer step, then during it
 
     # -- helpers -------------------------------------------------------------------------------------------------
+    def _keep_earlier_records(self, output_dir: str, resumed_at: int) -> None:
+        """On resume, memory.jsonl keeps the steps up to the checkpoint (steps after it are trained again, and were
+        logged twice before) and the end-of-run table and plot cover them too; a fresh start clears it."""
+        path = os.path.join(output_dir, "memory.jsonl")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            kept = [r for r in (json.loads(line) for line in f if line.strip()) if r.get("step", 0) <= resumed_at]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        self.records = kept + self.records
+
     @staticmethod
     def _cuda() -> bool:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
 
     # -- events --------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.memory.telemetry:
+            self._keep_earlier_records(args.output_dir, state.global_step)
         src = self.allocator
         if state.is_world_process_zero:
             logger.info("allocator: %s (source: %s, applied via %s)", src["allocator_conf"] or "torch default",

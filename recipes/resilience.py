@@ -133,6 +133,15 @@ def _move_aside(skipped: list[tuple[str, str]]) -> None:
         logger.warning("skipped %s: %s; moved aside to %s (nothing deleted)", path, problem, aside)
 
 
+def steps_done(checkpoint: str | None) -> int | None:
+    """The optimizer step a checkpoint was saved at (its trainer_state.json), or None."""
+    path = os.path.join(checkpoint, "trainer_state.json") if checkpoint else None
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("global_step")
+
+
 def rotate(output_dir: str, keep: int | None, best: str | None = None) -> None:
     """Keep the newest `keep` complete checkpoints (transformers' save_total_limit), after the new one is complete,
     and, as transformers does, the best one (load_best_model_at_end) besides."""

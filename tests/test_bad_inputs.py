@@ -240,3 +240,9 @@ def test_a_logging_integration_that_is_not_installed_is_one_line(monkeypatch):
     with pytest.raises(RecipeError, match=r"`report_to: wandb` needs the wandb package.*`pip install wandb`"):
         resolve_report_to({"report_to": ["tensorboard", "wandb"]})
     assert resolve_report_to({"report_to": "none"}) == ["none"]
+
+
+def test_under_the_deepspeed_launcher_an_error_is_said_once(tmp_path):
+    proc = run_train(tmp_path / "out", "--model.lora_r", "8", launcher="deepspeed", procs=2, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout
+    assert proc.stdout.count("error: `model.lora_r` is set but LoRA is off") == 1

@@ -177,3 +177,16 @@ def test_zero3_skip_leaves_the_nonfinite_step_out(tmp_path):
     assert summary(tmp_path)["skipped_steps"] == [{"step": 3, "quantity": "loss"}]
     assert same_weights(tmp_path / "checkpoint-2", tmp_path / "checkpoint-3")
     assert not same_weights(tmp_path / "checkpoint-3", tmp_path / "checkpoint-4")
+
+
+def test_resume_keeps_the_telemetry_of_the_steps_before_and_says_when_nothing_is_left(straight, tmp_path):
+    """Resumed from step 4 in the run's own folder: memory.jsonl holds steps 1-6 once each (5 and 6 were logged by
+    the first run too) and the end-of-run table covers all six. Resuming the finished run says so."""
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    shutil.rmtree(run / "checkpoint-6")
+    run_train(run, *ARGS, "--resume_from_checkpoint", "true")
+    assert steps_ran(run) == [1, 2, 3, 4, 5, 6]
+    assert (run / "memory_summary.md").read_text().startswith("Steady state over steps 2..6")
+    proc = run_train(run, *ARGS, "--resume_from_checkpoint", "true")
+    assert "already reached max_steps 6 (step 6): nothing left to train" in proc.stdout
