@@ -220,10 +220,10 @@ class MemoryCallback(TrainerCallback):
         if self._snapshotting:
             self._dump_snapshot(args, state)
         if state.is_world_process_zero and self.memory.telemetry and self.records:
-            write_summary(self.records, args.output_dir)
+            write_summary(self.records, args.output_dir, state.log_history)
 
 
-def write_summary(records: list[dict], output_dir: str) -> str:
+def write_summary(records: list[dict], output_dir: str, log_history: list[dict] | None = None) -> str:
     """memory_summary.md in the seed's format (steady state: steps after the first) and memory.png."""
     steady = records[1:] or records
 
@@ -243,26 +243,44 @@ def write_summary(records: list[dict], output_dir: str) -> str:
     with open(path, "w") as f:
         f.write(f"Steady state over steps {steady[0]['step']}..{steady[-1]['step']} (max memory, median time).\n\n")
         f.write(table)
-    _plot(records, os.path.join(output_dir, "memory.png"))
+    _plot(records, os.path.join(output_dir, "memory.png"), log_history or [])
     return path
 
 
-def _plot(records: list[dict], path: str) -> None:
+def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
+    """One picture of the run: the DPO loss, reward margin and accuracy per step (left) and memory per step (right:
+    GPU peak allocated / reserved where there is a GPU, host RSS), both memory axes from 0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, (train, mem) = plt.subplots(1, 2, figsize=(11, 4))
+    logs = [h for h in log_history if "loss" in h and "step" in h]
+    if logs:
+        steps = [h["step"] for h in logs]
+        train.plot(steps, [h["loss"] for h in logs], marker="o", color="tab:blue", label="DPO loss")
+        if all("rewards/margins" in h for h in logs):
+            train.plot(steps, [h["rewards/margins"] for h in logs], marker="s", color="tab:green", label="reward margin")
+        if all("rewards/accuracies" in h for h in logs):
+            train.plot(steps, [h["rewards/accuracies"] for h in logs], marker="^", color="tab:orange",
+                       label="reward accuracy")
+        train.axhline(0.6931, color="grey", linestyle=":", linewidth=1, label="ln 2 (policy = reference)")
+        train.legend(fontsize=8)
+    train.set_xlabel("optimizer step")
+    train.set_title("Training")
     steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     if any(r.get("peak_allocated_gb") is not None for r in records):
-        ax.plot(steps, [r["peak_allocated_gb"] for r in records], marker="o", label="peak allocated (GPU)")
-        ax.plot(steps, [r["peak_reserved_gb"] for r in records], marker="s", label="peak reserved (GPU)")
-    ax.plot(steps, [r["host_rss_gb"] for r in records], marker="^", label="host RSS")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("GB (max over ranks)")
-    ax.set_title("Memory per step")
-    ax.legend()
+        mem.plot(steps, [r["peak_allocated_gb"] for r in records], marker="o", color="tab:red", label="GPU peak allocated")
+        mem.plot(steps, [r["peak_reserved_gb"] for r in records], marker="s", color="tab:purple",
+                 label="GPU peak reserved")
+    mem.plot(steps, [r["host_rss_gb"] for r in records], marker="^", color="tab:brown", label="host RSS")
+    mem.set_ylim(bottom=0, top=max(1e-3, *(v for r in records for v in (r.get("peak_reserved_gb"), r["host_rss_gb"])
+                                          if v is not None)) * 1.15)
+    mem.set_xlabel("optimizer step")
+    mem.set_ylabel("GB (max over ranks)")
+    mem.set_title("Memory per step")
+    mem.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -41,7 +41,8 @@ def test_tensorboard_events_and_memory_telemetry_written(quickstart):
     assert summary(out)["measured_reserved_gb"] is None
     table = open(os.path.join(out, "memory_summary.md")).read()
     assert "Peak Allocated (GB)" in table and "Step Time (s)" in table
-    assert os.path.getsize(os.path.join(out, "memory.png")) > 1000
+    png = open(os.path.join(out, "memory.png"), "rb").read()
+    assert len(png) > 1000 and png[16:24] == (1100).to_bytes(4, "big") + (400).to_bytes(4, "big")  # two panels
 
 
 def test_length_report_logged(quickstart):
