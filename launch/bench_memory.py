@@ -5,19 +5,19 @@ and records, from the run's own memory.jsonl (steps after the first): peak alloc
 fragmentation gap, median step time, tokens/s, host RSS and pinned host memory. `stock` and ours run in the same
 invocation on the same GPU, so ratios are honest.
 
-    # mode (b), real ZeRO-3 + AdamW, fewer layers so model states fit one GPU
+    # the real path: ZeRO-3 + AdamW, fewer layers so model states fit one GPU
     python launch/bench_memory.py --gpus 1 --layers 4 --seq-tokens 12288 \
         --configs stock,stock+offload,attn_mlp,norm_attn_mlp,norm_attn_mlp+alloc64 --out results/levers_12k
     # CPU smoke (the tests run this): tiny model, python launcher
     python launch/bench_memory.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --mode emulate \
         --seq-tokens 64 --steps 2 --configs stock,norm_attn_mlp --out /tmp/bench
-    # mode (a), per-rank emulation: full 40-layer model, SGD in backward, gradients freed as produced
+    # per-rank emulation: full 40-layer model, SGD in backward, gradients freed as produced
     python launch/bench_memory.py --mode emulate --seq-tokens 12288,32768,65536 --configs stock,stock+offload,...
 
-    # one table + chart of every committed mode (a) row (the newest of each configuration and length)
+    # one table + chart of every committed per-rank emulation row (the newest of each configuration and length)
     python launch/bench_memory.py --out results/summary --merge results/*/results.json results/*/*/results.json
 
-Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (the seed's
+Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (NeMo-RL PR #926's
 table format) and memory_vs_length.png.
 """
 
@@ -45,7 +45,7 @@ CONFIGS = {
     # TRL 1.16 DPOTrainer as a user gets it: transformers' per-layer checkpointing, nothing of ours.
     "stock": {},
     "stock+offload": {"activation_offloading": "true"},
-    # The seed's rows: attention + MLP checkpointed per module (its baseline), + norms, + allocator.
+    # NeMo-RL PR #926's rows: attention + MLP checkpointed per module (its baseline), + norms, + allocator.
     "attn_mlp": {"memory.checkpointing": "attn_mlp"},
     "norm_attn": {"memory.checkpointing": "norm_attn"},
     "norm_attn_mlp": {"memory.checkpointing": "norm_attn_mlp"},
@@ -87,7 +87,7 @@ for _name in ("layer+norm_attn_mlp+offload", "layer+attn+lean+chunked4+offload",
 # blocks rounded up to a power of two (128k: 40 x 2.68 GB = 107 GB instead of 40 x 4 GB = 160 GB, over a 128 GB host).
 CONFIGS["layer+lean+chunked8+head+offload_pageable"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
                                                         "memory.offload_pin_memory": "false"}
-# The seed's two allocator levers on the leanest configuration: cache emptying every step, expandable segments.
+# NeMo-RL PR #926's two allocator levers on the leanest configuration: cache emptying every step, expandable segments.
 CONFIGS["layer+lean+chunked8+head+offload+empty_cache"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
                                                            "memory.empty_cache_steps": "1"}
 # The same with expandable segments, aimed at its 64k fragmentation gap (23 GB reserved above the 16.8 GB allocated).
@@ -306,7 +306,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (mode b)")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--mode", choices=("zero3", "emulate"), default="zero3",
-                   help="zero3: mode (b), deepspeed launcher + AdamW; emulate: mode (a), one process, SGD in "
+                   help="zero3: the real path, deepspeed launcher + AdamW; emulate: the per-rank emulation, one process, SGD in "
                         "backward with gradients freed (the activation footprint of one ZeRO-3 rank)")
     p.add_argument("--launcher", choices=("deepspeed", "python"), default=None,
                    help="defaults to deepspeed for --mode zero3, python for --mode emulate")
@@ -320,7 +320,7 @@ def parse_args(argv=None):
                    help="profile the last step (not timed) and write where its time went (recipes/profiling.py) to "
                         "results.json and profiles/<config>_<tokens>.md")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
-                   help="run nothing: merge these results.json files' mode (a) rows into one table and chart in --out")
+                   help="run nothing: merge these results.json files' per-rank emulation rows into one table and chart in --out")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = shlex.join([sys.executable, "launch/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
@@ -352,13 +352,13 @@ def write_outputs(out: str, environment: dict, results: list[dict]) -> None:
 
 
 def merge(paths: list[str], out: str) -> list[dict]:
-    """One table and chart of many runs' mode (a) rows (GB above the same weights, so they compare), the newest row
+    """One table and chart of many runs' per-rank emulation rows (GB above the same weights, so they compare), the newest row
     of each (configuration, length) winning; each row keeps the results file it came from."""
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing or not paths:
         sys.exit(f"error: --merge needs results.json files written by this benchmark; not found: {missing or 'none given'}")
     runs = [(path, json.load(open(path))) for path in paths]
-    # one-invocation files only (not an earlier merge), mode (a), oldest first so that the newest row wins
+    # one-invocation files only (not an earlier merge), per-rank emulation rows, oldest first so that the newest row wins
     runs = sorted(((p, d) for p, d in runs if d["environment"].get("mode") == "emulate"),
                   key=lambda run: run[1]["environment"]["date"])
     rows = {}

@@ -1,6 +1,6 @@
-"""CUDA caching-allocator settings that really take effect (the seed's bug, fixed).
+"""CUDA caching-allocator settings that really take effect (a bug NeMo-RL PR #926 found, fixed).
 
-The seed found that setting PYTORCH_CUDA_ALLOC_CONF after CUDA is initialised silently does nothing: the allocator
+NeMo-RL PR #926 found that setting PYTORCH_CUDA_ALLOC_CONF after CUDA is initialised silently does nothing: the allocator
 reads the variable once, when it starts. So the entrypoint applies `memory.allocator_conf` before it imports torch
 (it reads the recipe YAML with plain Python first), and if CUDA is already up (e.g. a notebook) it goes through
 torch's runtime call `torch.cuda.memory._set_allocator_settings`; if neither can work it fails loudly.

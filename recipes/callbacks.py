@@ -6,7 +6,7 @@ constructor applies `memory.allocator_conf` (recipes/allocator.py) and records w
 Per optimizer step, on every rank, it measures peak allocated / peak reserved / fragmentation gap (reserved -
 allocated at peak) / allocator retries and OOMs / host RSS and pinned host memory / step time / real (unpadded)
 tokens per second. Rank 0 logs the max over ranks to `memory.jsonl` in the output dir and into the Trainer logs
-(so TensorBoard). Peaks are reset at each step start. At the end: `memory_summary.md` (the seed's table format)
+(so TensorBoard). Peaks are reset at each step start. At the end: `memory_summary.md` (NeMo-RL PR #926's table format)
 and `memory.png`.
 """
 
@@ -224,7 +224,7 @@ class MemoryCallback(TrainerCallback):
 
 
 def write_summary(records: list[dict], output_dir: str, log_history: list[dict] | None = None) -> str:
-    """memory_summary.md in the seed's format (steady state: steps after the first) and memory.png."""
+    """memory_summary.md in NeMo-RL PR #926's format (steady state: steps after the first) and memory.png."""
     steady = records[1:] or records
 
     def fmt(key, agg):

@@ -7,9 +7,9 @@ the reference model runs under no_grad and keeps nothing for backward.
 Policies (`memory.checkpointing`):
   none            nothing checkpointed
   layer           transformers' own per-decoder-layer checkpointing (TRL's default; what a stock user gets)
-  attn_mlp        attention and MLP each in a non-reentrant checkpoint, norms not (the seed's starting point)
+  attn_mlp        attention and MLP each in a non-reentrant checkpoint, norms not (NeMo-RL PR #926's starting point)
   norm_attn       every RMSNorm (the final norm too) and attention (what the user named)
-  norm_attn_mlp   every RMSNorm, attention and MLP (the seed's fix: its fp32 norms were 1/3 of activations)
+  norm_attn_mlp   every RMSNorm, attention and MLP (NeMo-RL PR #926's fix: its fp32 norms were 1/3 of activations)
   layer+<inner>   nested, done right: transformers' layer checkpoint AND each <inner> module in its own, so a
                   layer's backward holds the inner modules' inputs plus one module's intermediates instead of
                   the whole layer's intermediates.
@@ -32,7 +32,7 @@ results/gpu_2026-12-02_emulate_12k and results/gpu_2026-12-02_snapshot_12k_64k):
   Later levers (README's headline table): lean norms + the lean LM head + MLP chunks under the plain layer checkpoint
   reach 3.94 GB / 6.85 s at 12k, 8.43 GB at 32k and 16.79 GB / 59.3 s at 64k; nesting attention then costs ~10% time
   and saves nothing at 32k-64k.
-Module checkpoints without the layer checkpoint (the seed's DTensor setting) keep every module input of every layer
+Module checkpoints without the layer checkpoint (NeMo-RL PR #926's DTensor setting) keep every module input of every layer
 and lose badly here; nested inside it they cut the per-layer backward peak (the fp32 norm casts, 2 x 1.0 GB at 12k,
 drop to 0.5 GB). At 12k the peak that remains is one MLP's recomputed intermediates (2.1 GB) and the LM-head /
 embedding gradients (2.4 GB).

@@ -156,7 +156,7 @@ class MemoryArgs:
     profile_step (int, defaults to 0): profile optimizer step N with torch.profiler and write where its time went, by
         module kind and phase (forward, recompute, backward, offload copies), to profile_step<N>.md (recipes/profiling.py).
     telemetry (bool, defaults to True): per-step memory/time telemetry to the logs and memory.jsonl.
-    sgd_in_backward (bool, defaults to False): benchmark mode (a), one process: apply SGD to each parameter in
+    sgd_in_backward (bool, defaults to False): the per-rank emulation, one process: apply SGD to each parameter in
         backward and free its gradient at once (what a ZeRO-3 rank keeps); see recipes/emulation.py.
     memory_cap_gb (float, defaults to None): cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction),
         e.g. 80 to emulate an 80 GB H100 on a larger GPU.

@@ -180,7 +180,7 @@ def test_model_flops_and_mfu_by_hand():
 
 
 def test_bench_zero3_mode_on_cpu(tmp_path):
-    """Mode (b) as the seed's 8-GPU setting runs it (deepspeed launcher, ZeRO-3, one pair per rank per step),
+    """The real path as NeMo-RL PR #926's 8-GPU setting runs it (deepspeed launcher, ZeRO-3, one pair per rank per step),
     here with 2 CPU processes over gloo."""
     from conftest import RUN_TIMEOUT_S, free_port
 
@@ -195,7 +195,7 @@ def test_bench_zero3_mode_on_cpu(tmp_path):
 
 
 def test_merge_of_committed_results(tmp_path):
-    """One table + chart of every committed mode (a) row: the newest run of a (configuration, length) wins, real
+    """One table + chart of every committed per-rank emulation row: the newest run of a (configuration, length) wins, real
     ZeRO-3 rows (other weights) stay out, a missing file is one clear error."""
     from launch.bench_memory import merge
 
