@@ -239,6 +239,11 @@ def main(argv=None) -> int:
     how = "no DeepSpeed" if ds is None else f"DeepSpeed {args.deepspeed}"
     print(f"{args.recipe}: {args.nodes} node(s) x {args.gpus} GPU(s), {how}, per rank:")
     print(render(result))
+    if host is None and result.host_per_node_gb:  # said, not judged: the training nodes may not be this machine
+        here = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        print(f"  host: {result.host_per_node_gb:.1f} GB per node needed; this machine has {here:.0f} GB of RAM "
+              f"({'enough' if here >= result.host_per_node_gb else 'NOT enough'} if it is a training node; "
+              "`--host-memory` checks the nodes)")
     return 1 if result.fits is False else 0
 
 

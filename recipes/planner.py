@@ -191,13 +191,15 @@ def load_calibration(path: str = CALIBRATION) -> dict:
 def _coefficients(config: str, cal: dict) -> tuple[dict, str]:
     configs = cal["configs"]
     if config in configs:
-        return configs[config], config
+        return configs[config], f"measurements of this configuration ({config})"
     if "+liger" in config and config.replace("+liger", "") in configs:  # Liger's kernels keep less, not more
         without = config.replace("+liger", "")
-        return configs[without], f"{without} (no measurement with Liger's kernels: an upper bound)"
+        return configs[without], (f"measurements of {without}, the same levers without Liger's kernels (an upper "
+                                  "bound: Liger keeps less)")
     # nearest measured relative: same offload choice, stock checkpointing
     fallback = "stock+offload" if config.endswith("+offload") else "stock"
-    return configs[fallback], f"{fallback} (no measurement of {config})"
+    return configs[fallback], (f"measurements of {fallback}: this combination of levers ({config}) was not measured, "
+                               "so its nearest measured relative stands in (expect less memory than predicted)")
 
 
 def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = None,
@@ -305,6 +307,8 @@ def _candidates(s: Setup):
     if s.zero3 and not s.offload_optimizer:
         yield "ds_configs/zero3_offload.json (optimizer state and parameters on CPU)", \
             replace(s, offload_optimizer=True, offload_param=True)
+    if s.zero3 and s.ranks == 1 and not s.offload_param:  # ZeRO-3 on one GPU partitions nothing
+        yield "one process without DeepSpeed (`python launch/train_dpo.py`)", replace(s, zero3=False)
     if s.zero3:
         yield f"{s.ranks * 2} GPUs instead of {s.ranks}", replace(s, ranks=s.ranks * 2)
     if s.batch > 1:
@@ -314,12 +318,25 @@ def _candidates(s: Setup):
 
 def suggest(s: Setup, gpu_memory_gb: float | None, cal: dict | None = None,
             host_memory_gb: float | None = None) -> list[tuple[str, float, float]]:
+    """Single changes that fit, cheapest first; when none does, the cheapest pairs of changes that do (up to 3)."""
     cal = cal or load_calibration()
     out = []
     for change, alt in _candidates(s):
         alt_plan = predict(alt, cal, gpu_memory_gb, host_memory_gb)
         if alt_plan.fits:
             out.append((change, alt_plan.peak_reserved_gb, alt_plan.host_per_node_gb))
+    if out:
+        return out
+    seen = set()
+    for change, alt in _candidates(s):
+        for second, both in _candidates(alt):
+            pair = frozenset((change, second))
+            if second.split(":")[0] == change.split(":")[0] or pair in seen:
+                continue
+            seen.add(pair)
+            both_plan = predict(both, cal, gpu_memory_gb, host_memory_gb)
+            if both_plan.fits and len(out) < 3:
+                out.append((f"{change}, and {second}", both_plan.peak_reserved_gb, both_plan.host_per_node_gb))
     return out
 
 
@@ -345,8 +362,8 @@ def render(result: Plan) -> str:
               f"  {'predicted optimizer-step peak allocated':<38} {result.optimizer_peak_gb:8.2f} GB",
               f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
               f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
-              f"  {'host memory per node (offloads)':<38} {result.host_per_node_gb:8.1f} GB",
-              f"  calibrated from: {result.calibrated_from}"]
+              f"  {'host memory per node (offloaded)':<38} {result.host_per_node_gb:8.1f} GB",
+              f"  based on: {result.calibrated_from}"]
     if result.checkpoint_gb is not None:
         lines.insert(-1, f"  {'one checkpoint on disk':<38} {result.checkpoint_gb:8.1f} GB "
                          f"(this recipe keeps {result.checkpoints_kept})")
@@ -354,10 +371,13 @@ def render(result: Plan) -> str:
         lines.append(f"  verdict: {'FITS' if used <= limit else 'DOES NOT FIT'} in {limit:g} GB {where}")
     if result.fits is False:
         if result.suggestions:
-            lines.append("  changes that would fit (cheapest first):")
+            combined = ", and " in result.suggestions[0][0]
+            lines.append("  no single change fits; these pairs of changes would (cheapest first):" if combined
+                         else "  changes that would fit (cheapest first):")
             host = result.host_memory_gb is not None
             lines += [f"    - {change}: {peak:.1f} GB" + (f", host {host_gb:.0f} GB per node" if host else "")
                       for change, peak, host_gb in result.suggestions]
         else:
-            lines.append("  no single change from this recipe's switches fits; combine them or use more GPUs")
+            lines.append("  no change or pair of changes from this recipe's switches fits: more GPUs (sequence "
+                         "parallelism for long sequences) or a shorter max_length")
     return "\n".join(lines)

@@ -110,6 +110,8 @@ def test_cli_verdicts():
 
     fits = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB")
     assert fits.returncode == 0 and "verdict: FITS in 80 GB" in fits.stdout
+    # no --host-memory: the offloaded activations are set against this machine's RAM, said but not judged
+    assert "GB per node needed; this machine has" in fits.stdout and "`--host-memory` checks the nodes" in fits.stdout
     # 12.2 B parameters x (16 B of ZeRO-3 states + 2 B of 16-bit weights)
     assert "one checkpoint on disk                    220.5 GB (this recipe keeps 0)" in fits.stdout
     saving = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--save_strategy", "steps", "--save_steps", "5",
@@ -220,3 +222,30 @@ def test_family_architectures_have_their_published_sizes(name, billions):
         built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     counted = count_params(config)[0]
     assert abs(counted - built) <= 1e-4 * built and round(built / 1e9, 2) == billions
+
+
+def test_when_no_single_change_fits_the_cheapest_pairs_are_suggested():
+    from recipes.config import load_recipe, parse_overrides
+    from recipes.planner import plan, render
+    from recipes.validate import check_deepspeed_config
+
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_12k.yaml"),
+                         parse_overrides(["--max_length", "32768", "--use_liger_kernel", "false"]))
+    result = plan(recipe, 8, 30, ds_config=check_deepspeed_config(os.path.join(ROOT, "ds_configs", "zero3.json")))
+    text = render(result)
+    assert result.fits is False and "no single change fits; these pairs of changes would" in text
+    assert result.suggestions and all(", and " in change and peak <= 30 for change, peak, _ in result.suggestions)
+    assert len({frozenset(c.split(", and ")) for c, _, _ in result.suggestions}) == len(result.suggestions)
+
+
+def test_zero3_on_one_gpu_suggests_one_process_without_deepspeed():
+    from dataclasses import replace
+
+    from recipes.planner import _candidates
+
+    s = Setup(params=12_247_782_400, layer_params=272_640_000, embed_params=671_088_640, layers=40, hidden=5120,
+              seq=4096, zero3=True)
+    changes = dict(_candidates(s))
+    alt = changes["one process without DeepSpeed (`python launch/train_dpo.py`)"]
+    assert alt == replace(s, zero3=False)
+    assert not any("without DeepSpeed" in c for c, _ in _candidates(replace(s, ranks=8)))
