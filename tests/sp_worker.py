@@ -16,7 +16,8 @@ from recipes.distributed import skip_cpu_shm_allreduce  # noqa: E402
 from recipes.modeling import build_byte_tokenizer, build_model  # noqa: E402
 from recipes.sequence_parallel import SequenceParallel  # noqa: E402
 
-TINY = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
+TINY = ModelArgs(architecture=f"recipes/architectures/tiny_{os.environ.get('SP_FAMILY', 'mistral')}.json",
+                 tokenizer="byte", dtype="float32")
 
 
 def loss_metrics_grads(trainer, inputs):

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import run_train, summary
+from conftest import TINY, run_train, summary
 
 LEVERS = ["--memory.checkpointing", "layer+norm_attn", "--memory.lean_norm", "true", "--memory.lean_lm_head", "true",
           "--memory.mlp_chunks", "2"]
@@ -61,21 +61,28 @@ def test_tied_embeddings_under_two_process_zero3_equal_one_process(tmp_path):
 
 def test_a_role_the_template_refuses_is_one_line_before_loading(tmp_path):
     """Mistral's template accepts user and assistant turns only: a system turn stops the run at start-up, quoted."""
-    data = conversations(tmp_path / "chat.jsonl", system=True)
-    proc = run_train(tmp_path / "out", *RUN, *family_args("mistral", data), check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stdout
-    assert "row 0: the chat template refuses it (Conversation roles must alternate" in proc.stdout
-    assert "`model.chat_template`" in proc.stdout
+    from recipes.config import RecipeError
+    from recipes.data import check_chat_template, load_preferences
+    from recipes.modeling import build_byte_tokenizer
+
+    data = load_preferences([conversations(tmp_path / "chat.jsonl", system=True)])
+    with pytest.raises(RecipeError, match=r"row 0: the chat template refuses it \(Conversation roles must alternate.*"
+                                          r"`model.chat_template`"):
+        check_chat_template(build_byte_tokenizer("byte-mistral"), data)
 
 
 def test_a_template_that_drops_a_role_is_a_warning_with_a_count(tmp_path):
-    data = conversations(tmp_path / "chat.jsonl", system=True)
-    no_system = ("{% for m in messages %}{% if m['role'] != 'system' %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
-                 "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    (tmp_path / "t.jinja").write_text(no_system)
-    proc = run_train(tmp_path / "out", "--max_steps", "1", "--save_strategy", "no", "--report_to", "none",
-                     "--data.train_files", f"[{data}]", "--model.chat_template", str(tmp_path / "t.jinja"))
-    assert "12 of the first 12 pairs have messages the template leaves out (roles: system)" in proc.stdout
+    from recipes.data import check_chat_template, load_preferences
+    from recipes.modeling import build_byte_tokenizer
+
+    data = load_preferences([conversations(tmp_path / "chat.jsonl", system=True)])
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<|{{ m['role'] }}|>"
+                               "{{ m['content'] }}</s>{% endif %}{% endfor %}")
+    warning = check_chat_template(tokenizer, data)
+    assert warning.startswith("chat template: 12 of the first 12 pairs have messages the template leaves out (roles: "
+                              "system)")
+    assert check_chat_template(build_byte_tokenizer("byte-chatml"), data) is None  # ChatML keeps system turns
 
 
 def test_conversations_without_a_chat_template_name_the_key(tmp_path, tiny_model_dir):
@@ -87,12 +94,16 @@ def test_conversations_without_a_chat_template_name_the_key(tmp_path, tiny_model
     config.pop("chat_template", None)
     json.dump(config, open(model / "tokenizer_config.json", "w"))
     (model / "chat_template.jinja").unlink(missing_ok=True)
+    from recipes.config import ModelArgs, RecipeError
+    from recipes.data import check_chat_template, load_preferences
+    from recipes.modeling import load_tokenizer
+
     data = conversations(tmp_path / "chat.jsonl")
+    with pytest.raises(RecipeError, match="holds conversations but the tokenizer has no chat template: set "
+                                          "`model.chat_template`"):
+        check_chat_template(load_tokenizer(ModelArgs(name_or_path=str(model))), load_preferences([data]))
     base = [*RUN, "--model.architecture", "null", "--model.tokenizer", "null", "--model.name_or_path", str(model),
             "--data.train_files", f"[{data}]"]
-    proc = run_train(tmp_path / "out", *base, check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stdout
-    assert "holds conversations but the tokenizer has no chat template: set `model.chat_template`" in proc.stdout
     # an inline template fixes it
     template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}" \
                "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -103,25 +114,30 @@ def test_conversations_without_a_chat_template_name_the_key(tmp_path, tiny_model
 def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, tiny_model_dir):
     import shutil
 
+    from recipes.config import ModelArgs, RecipeError
+    from recipes.modeling import check_model_args
+
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     for f in model.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
             f.unlink()
-    proc = run_train(tmp_path / "out", *RUN, "--model.architecture", "null", "--model.tokenizer", "null",
-                     "--model.name_or_path", str(model), check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stdout
-    assert f"No tokenizer in '{model}'" in proc.stdout and "set `model.tokenizer`" in proc.stdout
+    with pytest.raises(RecipeError, match=f"No tokenizer in '{model}'.*set `model.tokenizer`"):
+        check_model_args(ModelArgs(name_or_path=str(model)))
+    check_model_args(ModelArgs(name_or_path=str(model), tokenizer=tiny_model_dir))  # a tokenizer from elsewhere
 
 
 def test_a_family_outside_the_supported_ones_runs_plain_and_names_the_lever(tmp_path):
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 320,
                                 "n_positions": 256, "bos_token_id": 1, "eos_token_id": 2}))
+    from recipes.config import RecipeError, load_recipe, parse_overrides
+    from recipes.validate import check_recipe
+
     base = [*RUN, "--model.architecture", str(gpt2)]
-    proc = run_train(tmp_path / "out", *base, "--memory.lean_norm", "true", check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stdout
-    assert "`memory.lean_norm` patches the decoder layers of mistral, llama, qwen2, qwen3 models" in proc.stdout
-    assert "this model is 'gpt2'" in proc.stdout
+    recipe = load_recipe(TINY, parse_overrides([*base, "--memory.lean_norm", "true"]))
+    with pytest.raises(RecipeError, match=r"`memory.lean_norm` patches the decoder layers of mistral, llama, qwen2, "
+                                          r"qwen3 models .*this model is 'gpt2'"):
+        check_recipe(recipe, world_size=1, cuda_available=False)
     run_train(tmp_path / "ok", *base, "--memory.checkpointing", "layer")
     assert abs(summary(tmp_path / "ok")["losses"][0] - math.log(2)) < 1e-4

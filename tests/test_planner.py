@@ -103,10 +103,18 @@ def test_calibration_file_is_what_the_results_give():
     assert calibrate() == {k: v for k, v in load_calibration().items()}
 
 
-def test_cli_verdicts():
+def test_cli_verdicts(capsys, monkeypatch):
+    """The planner's command line, run in this process (the last case as a real process: exit status and stderr)."""
+    from types import SimpleNamespace
+
+    from launch.plan_memory import main
+
+    monkeypatch.chdir(ROOT)
+
     def cli(*args):
-        return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan_memory.py"), *args],
-                              capture_output=True, text=True, cwd=ROOT)
+        rc = main(list(args))
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
     fits = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB")
     assert fits.returncode == 0 and "verdict: FITS in 80 GB" in fits.stdout
@@ -130,7 +138,9 @@ def test_cli_verdicts():
     first_fix = host.stdout.split("cheapest first):\n")[1].splitlines()[0]
     assert first_fix.startswith("    - memory.offload_pin_memory: false") and first_fix.endswith("host 430 GB per node")
     assert cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--host-memory", "2TB").returncode == 2
-    bad = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--max_lenght", "5")
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan_memory.py"), "--recipe",
+                          "recipes/nemotron12b/dpo_12k.yaml", "--max_lenght", "5"], capture_output=True, text=True,
+                         cwd=ROOT)
     assert bad.returncode == 2 and "Did you mean `max_length`" in bad.stderr
 
 

@@ -1,4 +1,4 @@
-"""Sequence-parallel DPO (parallelism.sp_size) on CPU over gloo, tiny Mistral, fp32: sp_size=2 on 2 processes gives
+"""Sequence-parallel DPO (parallelism.sp_size) on CPU over gloo, tiny Mistral (and Qwen3 for the loss and gradients), fp32: sp_size=2 on 2 processes gives
 the same loss, parameter gradients and logged metrics as sp_size=1, directly and through ZeRO-3 training."""
 
 import os
@@ -14,12 +14,13 @@ from recipes.config import RecipeError
 from recipes.sequence_parallel import check_sequence_parallel
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
+@pytest.fixture(scope="module", params=["mistral", "qwen3"])  # Qwen3: RMSNorms on q and k inside attention
+def worker(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("sp")
     cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(ROOT, "tests", "sp_worker.py")]
-    env = {**os.environ, "SP_OUT": str(out), "OMP_NUM_THREADS": "1", "PATH": BIN + os.pathsep + os.environ["PATH"]}
+    env = {**os.environ, "SP_OUT": str(out), "OMP_NUM_THREADS": "1", "PATH": BIN + os.pathsep + os.environ["PATH"],
+           "SP_FAMILY": request.param}
     proc = run_job(cmd, RUN_TIMEOUT_S, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
