@@ -1,5 +1,6 @@
-"""Sequence-parallel DPO (parallelism.sp_size) on CPU over gloo, tiny Mistral (and Qwen3 for the loss and gradients), fp32: sp_size=2 on 2 processes gives
-the same loss, parameter gradients and logged metrics as sp_size=1, directly and through ZeRO-3 training."""
+"""Sequence-parallel DPO (parallelism.sp_size) on CPU over gloo, fp32: sp_size=2 on 2 processes gives the same loss,
+parameter gradients and logged metrics as sp_size=1, directly (tiny Mistral and tiny Qwen3) and through ZeRO-3 training
+(tiny Mistral)."""
 
 import os
 import subprocess
