@@ -1,6 +1,6 @@
 """Sequence-parallel DPO (parallelism.sp_size) on CPU over gloo, fp32: sp_size=2 on 2 processes gives the same loss,
-parameter gradients and logged metrics as sp_size=1, directly (tiny Mistral and tiny Qwen3) and through ZeRO-3 training
-(tiny Mistral)."""
+parameter gradients and logged metrics as sp_size=1, directly (a tiny model of every supported family) and through
+ZeRO-3 training (tiny Mistral)."""
 
 import os
 import subprocess
@@ -15,7 +15,7 @@ from recipes.config import RecipeError
 from recipes.sequence_parallel import check_sequence_parallel
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen3"])  # Qwen3: RMSNorms on q and k inside attention
+@pytest.fixture(scope="module", params=["mistral", "llama3", "qwen2_5", "qwen3"])  # every supported family
 def worker(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("sp")
     cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
