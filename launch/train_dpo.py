@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
     if is_main:
         logger.info("length report (tokens per sequence = prompt + longer completion): %s", report)
-        if truncation_warning(report):
-            logger.warning(truncation_warning(report))
+        truncated = truncation_warning(report)
+        if truncated:
+            logger.warning(truncated)
         logger.info(
             "scale: %d ranks (sequence parallel %d x data parallel %d), %d pairs per optimizer step, up to %d "
             "tokens per step (2 x max_length x pairs); checkpointing=%s wrapped=%s tiled_mlp=%d allocator=%s (%s)",

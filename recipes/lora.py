@@ -92,8 +92,19 @@ def _check_targets(args: ModelArgs) -> None:
     adapter_params(args, model)
 
 
+_COUNTED: dict[str, int] = {}  # repr(ModelArgs) -> adapter parameters: start-up checks, disk check and planner ask
+
+
 def adapter_params(args: ModelArgs, skeleton=None) -> int:
-    """Parameters LoRA trains (adapters + modules_to_save), counted by PEFT itself on the meta-device skeleton."""
+    """Parameters LoRA trains (adapters + modules_to_save), counted by PEFT itself on the meta-device skeleton (once
+    per model section: a 12B skeleton with PEFT on it takes a second or two)."""
+    key = repr(args)
+    if key not in _COUNTED:
+        _COUNTED[key] = _count_adapters(args, skeleton)
+    return _COUNTED[key]
+
+
+def _count_adapters(args: ModelArgs, skeleton) -> int:
     from peft import get_peft_model
 
     try:
