@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # TRL's trainers send a usage ping to huggingface.co from a background thread; training needs no network, so none
@@ -500,6 +501,9 @@ def _distributed():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+ERROR_GRACE_S = 10  # how long a rank other than 0 waits before saying an error rank 0 says too
+
+
 def run() -> int:
     try:
         try:
@@ -512,8 +516,13 @@ def run() -> int:
         if "preempted_at" in summary:
             return EXIT_PREEMPTED
     except RecipeError as e:  # a recipe's mistake is every rank's: said once, by rank 0
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) != 0:
+            # The launchers end every rank as soon as one exits with an error: a rank that returned at once was
+            # seen (1 run in 4, 2 CPU ranks) to get rank 0 killed before it printed, and the run ended with no
+            # message at all. So the other ranks wait for rank 0 to say it; they say it themselves only if they
+            # are still alive then (the error was theirs alone).
+            time.sleep(ERROR_GRACE_S)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except OutOfMemory as e:
         print(f"error: {e}", file=sys.stderr)
