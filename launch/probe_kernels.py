@@ -4,7 +4,10 @@
    its inputs, its time, and how far the lean gradients are from TRL's.
 2. Causal SDPA forward + backward with grouped-query attention (32 query / 8 key-value heads, head_dim 128), as
    transformers calls it (enable_gqa, no mask), per SDPA backend: peak above the inputs and time.
-    python launch/probe_kernels.py --tokens 24576 --attn-seq 65536 --out probe.json
+3. One MLP (Liger's SwiGLU when liger-kernel is installed, else transformers' Mistral MLP) on a chosen/rejected pair:
+   the forward alone, then in sequence chunks each in its own checkpoint (as `memory.mlp_chunks` runs it: split
+   along the sequence, or along the flattened tokens), and those chunks' recompute + backward.
+    python launch/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
 """
 
 from __future__ import annotations
@@ -65,6 +68,58 @@ def attention(seq: int, batch: int = 2, heads: int = 32, kv_heads: int = 8, dim:
     return {"seq": seq, "batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, **rows}
 
 
+def _cuda_ms(fn, repeat: int = 3) -> float:
+    """Median wall time of fn() on the GPU, in ms, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(sorted(times)[len(times) // 2], 2)
+
+
+def mlp(seq: int, chunks: int = 3, batch: int = 2, hidden: int = 5120, ffn: int = 14336) -> dict:
+    from torch.utils.checkpoint import checkpoint
+    from transformers import MistralConfig
+
+    config = MistralConfig(hidden_size=hidden, intermediate_size=ffn)
+    try:
+        from liger_kernel.transformers import LigerSwiGLUMLP as MLP
+    except ImportError:
+        from transformers.models.mistral.modeling_mistral import MistralMLP as MLP
+    module = MLP(config).to("cuda", torch.bfloat16)
+    x = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def split(how):
+        if how == "sequence":
+            return list(x.chunk(chunks, dim=-2)), lambda parts: torch.cat(parts, dim=-2)
+        flat = x.reshape(-1, hidden)
+        return list(flat.chunk(chunks)), lambda parts: torch.cat(parts).view(batch, seq, -1)
+
+    def chunked(how):
+        parts, join = split(how)
+        return join([checkpoint(module, p, use_reentrant=False) for p in parts])
+
+    def backward(how):
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        chunked(how).sum().backward()
+
+    rows = {"mlp": MLP.__module__ + "." + MLP.__name__, "seq": seq, "batch": batch, "chunks": chunks}
+    with torch.no_grad():
+        rows["forward_no_grad_ms"] = _cuda_ms(lambda: module(x))
+    rows["forward_ms"] = _cuda_ms(lambda: module(x))
+    for how in ("sequence", "flat"):
+        rows[f"chunked_forward_{how}_ms"] = _cuda_ms(lambda: chunked(how))
+        rows[f"chunked_forward_backward_{how}_ms"] = _cuda_ms(lambda: backward(how))
+    rows["forward_backward_ms"] = _cuda_ms(lambda: module(x).sum().backward())
+    return rows
+
+
 def main(argv=None):
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
@@ -75,6 +130,8 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=131072)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--attn-seq", type=int, default=None, help="also probe attention at this sequence length")
+    p.add_argument("--mlp-seq", type=int, default=None, help="also probe one MLP at this sequence length (a pair)")
+    p.add_argument("--mlp-chunks", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -97,6 +154,9 @@ def main(argv=None):
         json.dump(out, f, indent=1)
     if args.attn_seq:
         out["attention"] = attention(args.attn_seq)
+    if args.mlp_seq:
+        torch.cuda.empty_cache()
+        out["mlp"] = mlp(args.mlp_seq, args.mlp_chunks)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
