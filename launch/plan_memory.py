@@ -11,186 +11,15 @@ Exit status: 0 fits (or no --gpu-memory / --host-memory given), 1 does not fit, 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import math
 import os
-import shlex
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from recipes.config import RecipeError, load_recipe, parse_overrides  # noqa: E402
-from recipes.planner import (CALIBRATION, SUB_GROUP, Setup, allocator_key, config_name, count_params,  # noqa: E402
-                             plan, predict, render)
-
-
-ACCEPTANCE_RUNS = os.path.join(ROOT, "results", "gpu_acceptance", "runs.json")
-
-
-def setup_from_argv(argv: list[str]) -> Setup:
-    """The Setup of a launch/train_dpo.py command line (launcher first, paths relative to the repo root)."""
-    from launch.train_dpo import parse_cli
-    from recipes.planner import setup_from_recipe
-    from recipes.validate import check_deepspeed_config
-
-    args = argv[[os.path.basename(a) for a in argv].index("train_dpo.py") + 1:]
-    cli = parse_cli([os.path.join(ROOT, a) if a.endswith((".yaml", ".json")) else a for a in args])
-    recipe = load_recipe(cli["recipe"], cli["overrides"])
-    ds = cli["deepspeed"] or ("ds_configs/zero3.json" if os.path.basename(argv[0]) == "accelerate" else None)
-    return setup_from_recipe(recipe, 1, 1, check_deepspeed_config(os.path.join(ROOT, ds)) if ds else None)
-
-
-def setup_from_result(environment: dict, row: dict) -> Setup:
-    """The Setup a committed benchmark row (or acceptance run) ran with, rebuilt from its recorded command."""
-    from launch.bench_memory import BASE, CONFIGS, parse_args
-
-    if "argv" in row:
-        return setup_from_argv(row["argv"])
-    from recipes.config import ModelArgs
-    from recipes.modeling import load_architecture
-
-    bench = parse_args(shlex.split(environment["command"])[2:])
-    recipe = load_recipe(os.path.join(ROOT, bench.recipe))
-    over = {**BASE, **CONFIGS[row["config"]]}
-    arch = load_architecture(ModelArgs(**{**recipe.model.__dict__, "num_hidden_layers": bench.layers}))
-    total, layer, embed = count_params(arch)
-    conf = over["memory.allocator_conf"]
-    return Setup(params=total, layer_params=layer, embed_params=embed, layers=arch.num_hidden_layers,
-                 hidden=arch.hidden_size, seq=row["seq_tokens"], ranks=bench.gpus, ranks_per_node=bench.gpus,
-                 zero3=environment["mode"] == "zero3", emulate=environment["mode"] == "emulate",
-                 config=config_name(over["memory.checkpointing"], int(over["memory.tiled_mlp"]),
-                                    over["activation_offloading"] == "true", int(over["memory.mlp_chunks"]),
-                                    over["memory.lean_norm"] == "true", over["memory.lean_lm_head"] == "true",
-                                    over["use_liger_kernel"] == "true"),
-                 allocator_conf=None if conf == "null" else conf,
-                 offload_pinned=over["memory.offload_pin_memory"] == "true")
-
-
-def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
-    """(environment, row, source) for every committed measurement that produced memory figures: the benchmark's
-    rows and the GPU acceptance suite's runs (real entrypoint, 1-2 layers; peaks over every step)."""
-    for path in sorted(glob.glob(pattern, recursive=True)):
-        with open(path) as f:
-            data = json.load(f)
-        if "merged_from" in data["environment"]:  # bench_memory.py --merge: copies of rows already read
-            continue
-        for row in data["results"]:
-            if row.get("peak_allocated_gb") is not None:
-                yield data["environment"], row, os.path.relpath(path, ROOT)
-    if os.path.exists(ACCEPTANCE_RUNS):
-        with open(ACCEPTANCE_RUNS) as f:
-            data = json.load(f)
-        # the shipped recipes as that run read them (they change later): kept beside the runs, per commit
-        kept = os.path.join(os.path.dirname(ACCEPTANCE_RUNS), f"recipes_{data['environment']['commit']}")
-        for name, run in data["runs"].items():
-            if run["rc"] != 0 or not run["records"]:
-                continue
-            argv = [os.path.relpath(os.path.join(kept, os.path.basename(a)), ROOT)
-                    if a.startswith("recipes/nemotron12b/") and os.path.isdir(kept) else a for a in run["argv"]]
-            s = setup_from_argv(argv)
-            peak = {k: max(r[k] for r in run["records"]) for k in (
-                "peak_allocated_gb", "activation_peak_allocated_gb", "optimizer_peak_allocated_gb")}
-            row = {"config": s.config, "seq_tokens": s.seq, "argv": argv, "run": name, **peak,
-                   "peak_reserved_gb": run["summary"]["measured_reserved_gb"]}
-            env = {**data["environment"], "mode": "zero3" if s.zero3 else "one process"}
-            yield env, row, os.path.relpath(ACCEPTANCE_RUNS, ROOT)
-
-
-def calibrate() -> dict:
-    """Fit per-configuration coefficients on the emulate-mode rows (pure activations); allocator factors on rows
-    that set an allocator; the pinned-memory factor on rows with offloading."""
-    zero = {"configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}  # fits one config at a time
-    rows = list(measured_rows())
-    by_config: dict[str, list] = {}
-    for env, row, src in rows:
-        if env["mode"] == "emulate":
-            s = setup_from_result(env, row)
-            by_config.setdefault(s.config, []).append((s, row, src))
-    cal = {"_comment": "fitted by `python launch/plan_memory.py --calibrate` from the files in `sources`",
-           "configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}
-    pinned = []
-    for config, items in by_config.items():
-        base = {**zero, "configs": {config: {"per_token_bytes": 0.0, "reserved_factor": 1.0}}}
-        # least squares through the origin: residual = per_token_bytes x tokens
-        num = den = 0.0
-        for s, row, _ in items:
-            residual = row["peak_allocated_gb"] * 1e9 - predict(s, base).peak_allocated_gb * 1e9
-            num, den = num + residual * s.tokens, den + s.tokens ** 2
-            if row.get("host_pinned_gb") and config.endswith("+offload") and s.offload_pinned:
-                block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
-                pinned.append(row["host_pinned_gb"] * 1e9 / (s.layers * block))
-        factors = []
-        for s, row, _ in items:
-            fixed = resident(s, base)
-            factors.append((row["peak_reserved_gb"] - fixed) / (row["peak_allocated_gb"] - fixed))
-        cal["hidden"] = items[0][0].hidden  # the width the per-token coefficients were measured at
-        cal["configs"][config] = {"per_token_bytes": round(num / den, 1),
-                                  "reserved_factor": round(sum(factors) / len(factors), 4),
-                                  "sources": sorted({src for *_, src in items})}
-    fit_zero3_reserved(rows, cal)
-    cal["pinned_factor"] = round(sum(pinned) / len(pinned), 4) if pinned else 1.0
-    cal["zero3"] = fit_zero3(rows, cal)
-    ratios: dict[str, list] = {}
-    for env, row, src in rows:
-        s = setup_from_result(env, row)
-        if s.allocator_conf and s.config in cal["configs"]:
-            unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
-            fixed = resident(s, cal)
-            ratios.setdefault(allocator_key(s), []).append((row["peak_reserved_gb"] - fixed) / (unfactored - fixed))
-    cal["allocator_factors"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(ratios.items())}
-    return cal
-
-
-def fit_zero3(rows, cal: dict) -> dict:
-    """The optimizer step's transient per parameter of a sub-group, and the gap it leaves between reserved and
-    allocated, from real-path rows that measured the two peaks apart (no allocator setting)."""
-    steps, gaps, sources = [], [], set()
-    for env, row, src in rows:
-        opt = row.get("optimizer_peak_allocated_gb")
-        if env["mode"] != "zero3" or opt is None:
-            continue
-        s = setup_from_result(env, row)
-        if s.allocator_conf or s.offload_optimizer:
-            continue
-        steps.append((opt - resident(s, cal)) * 1e9 / min(s.params / s.ranks, SUB_GROUP))
-        if opt >= (row.get("activation_peak_allocated_gb") or 0):  # the optimizer phase set the peak
-            gaps.append(row["peak_reserved_gb"] - opt)
-        sources.add(src)
-    if not steps:
-        return {}
-    return {"step_bytes_per_param": round(sum(steps) / len(steps), 3),
-            "gap_gb": round(sum(gaps) / len(gaps), 3) if gaps else 0.0, "rows": len(steps), "sources": sorted(sources)}
-
-
-def fit_zero3_reserved(rows, cal: dict) -> None:
-    """A configuration's reserved factor on the real path, where it was measured there with the forward/backward
-    transient at least twice the optimizer step's: the per-rank emulation runs 40 layers of churn and fragments more (at 64k with Liger's kernels
-    and TRL's offloading: 1.93x the activations in emulation, 1.27x on ZeRO-3 with 8 layers)."""
-    factors: dict[str, list] = {}
-    for env, row, src in rows:
-        act, opt = row.get("activation_peak_allocated_gb"), row.get("optimizer_peak_allocated_gb")
-        if env["mode"] != "zero3" or act is None or opt is None:
-            continue
-        s = setup_from_result(env, row)
-        fixed = resident(s, cal)
-        # only where the forward/backward clearly set the peak: near the optimizer step's the reserved figure is
-        # the step's own gap, and the quotient below blows up (12k, 8 layers, stock: 1.89)
-        if s.allocator_conf or s.config not in cal["configs"] or act - fixed < 2 * (opt - fixed):
-            continue
-        factors.setdefault(s.config, []).append(((row["peak_reserved_gb"] - fixed) / (act - fixed), src))
-    for config, items in factors.items():
-        cal["configs"][config]["reserved_factor_zero3"] = round(sum(f for f, _ in items) / len(items), 4)
-        cal["configs"][config]["sources"] = sorted({*cal["configs"][config]["sources"], *(src for _, src in items)})
-
-
-def resident(s: Setup, cal: dict) -> float:
-    """GB that stay put through a step (model states + reference): the part of the allocation the reserved factor
-    does not scale."""
-    breakdown = predict(s, cal).breakdown
-    return breakdown["model_states"] + breakdown["reference_model"]
-
+from recipes.planner import CALIBRATION, plan, render  # noqa: E402
 
 def _gb(value: str, flag: str) -> float:
     try:
@@ -213,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--calibrate", action="store_true", help="refit recipes/planner_calibration.json from results/")
     args, rest = p.parse_known_args(argv)
     if args.calibrate:
+        from recipes.calibration import calibrate
+
         cal = calibrate()
         with open(CALIBRATION, "w") as f:
             json.dump(cal, f, indent=1)

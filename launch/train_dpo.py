@@ -30,54 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from recipes import allocator  # noqa: E402
-from recipes.config import RecipeError, parse_overrides, read_memory_section  # noqa: E402
+from recipes.config import HelpRequested, RecipeError, parse_cli, read_memory_section  # noqa: E402
 
 logger = logging.getLogger("train_dpo")
-
-
-def parse_cli(argv: list[str]) -> dict:
-    """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
-    DeepSpeed JSON, --deepspeed, --resume_from_checkpoint, --no_final_save; everything else is `--key value`."""
-    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "preflight": True, "overrides": {}}
-    own = ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
-    rest = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        if arg in ("--help", "-h"):
-            raise HelpRequested()
-        if not arg.startswith("--"):
-            if not arg.endswith(".json"):
-                raise RecipeError(f"Unexpected argument {arg!r}: overrides are `--key value` (e.g. `--max_steps 10`).")
-            cli["deepspeed"] = arg  # `deepspeed launch/train_dpo.py ds_configs/zero3.json ...`
-            continue
-        key, eq, value = arg.partition("=")
-        if key == "--no_final_save":  # benchmarks: a random-init 12B model is not worth 24 GB of disk
-            cli["save"] = False
-            continue
-        if key == "--skip-preflight":
-            cli["preflight"] = False
-            continue
-        if not eq:  # the value is the next argument, whatever it looks like
-            if i >= len(argv) or argv[i].startswith("--"):
-                raise RecipeError(f"`{key}` needs a value: `{key} <value>`.")
-            value = argv[i]
-            i += 1
-        if key not in own:
-            rest += [key, value]
-        elif key == "--recipe":
-            cli["recipe"] = value
-        elif key in ("--local_rank", "--local-rank"):
-            os.environ.setdefault("LOCAL_RANK", value)
-        elif key == "--resume_from_checkpoint":
-            cli["resume"] = {"true": True, "auto": "auto"}.get(value.lower(), value)
-        else:
-            cli["deepspeed"] = value
-    cli["overrides"] = parse_overrides(rest)
-    if cli["deepspeed"]:
-        cli["overrides"]["deepspeed"] = cli["deepspeed"]
-    return cli
 
 
 def name_model_card(output_dir: str, model_args) -> None:
@@ -96,28 +51,57 @@ def name_model_card(output_dir: str, model_args) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """One DPO run, in the order that matters: the allocator before CUDA, every check before a model is loaded."""
     import warnings
 
     # TRL 1.16 calls transformers' deprecated `gradient_checkpointing_*` method names around every reference forward
     # (3 FutureWarnings a run, seen with transformers 5.24): nothing a user can act on
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
-    # ---- 1. allocator before CUDA: the memory callback is built before anything touches the GPU ----------------
     cli = parse_cli(sys.argv[1:] if argv is None else argv)
+    memory_callback = set_allocator(cli)
+    recipe, world_size, prediction = check_at_start(cli)
+    args, liger_config, guard = training_arguments(recipe)
+    is_main = args.process_index == 0
+    resume = _resolve_resume(cli["resume"], args.output_dir, is_main)
+    _say_if_finished(resume, args.max_steps, is_main)
+    tokenizer, train_raw, eval_raw = load_data(recipe, is_main)
+    model, ref_model, wrapped, sp, callbacks = build_models(recipe, args, liger_config, memory_callback, guard)
+    # ZeRO-3 partitions each parameter as the model is constructed (zero.Init): no rank holds the whole model
+    built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())  # before LoRA adds its adapters
+    trainer = build_trainer(recipe, args, model, ref_model, tokenizer, train_raw, eval_raw, callbacks,
+                            memory_callback, guard, sp)
+    report, dp_size = log_scale(recipe, args, trainer, len(train_raw), wrapped, memory_callback, is_main)
+    result = train(trainer, resume, recipe, world_size, memory_callback, guard)
+    if guard.preempted_at is not None:
+        if is_main:
+            logger.warning("%s received: saved checkpoint-%d and stopped; resume with --resume_from_checkpoint auto",
+                           guard.signal_received, guard.preempted_at)
+        return {"preempted_at": guard.preempted_at, "signal": guard.signal_received}
+    if cli["save"]:
+        save(trainer, args.output_dir, recipe.model, tokenizer, is_main)
+    return write_summary(trainer, result, recipe, args, report, dp_size, guard, wrapped, memory_callback, model,
+                         built_partitioned, prediction, is_main)
+
+
+def set_allocator(cli: dict):
+    """Step 1, before torch is imported: the allocator setting (it is read once, at CUDA's start) and the memory
+    callback that records it."""
     if cli["recipe"] is None:
         raise RecipeError("No recipe: pass `--recipe recipes/tiny_mistral/dpo_quickstart.yaml` (or another YAML).")
     memory = read_memory_section(cli["recipe"], cli["overrides"])
     allocator_record = allocator.apply(memory.allocator_conf)  # torch is not even imported yet
     from recipes.callbacks import MemoryCallback
 
-    memory_callback = MemoryCallback(memory, allocator_record)
+    return MemoryCallback(memory, allocator_record)
 
-    # ---- 2. recipe and start-up checks (no model loaded yet) ---------------------------------------------------
+
+def check_at_start(cli: dict):
+    """Step 2, no model loaded yet: the recipe, the processes against the GPUs, the planner's verdict, the disk."""
     import torch
 
-    from recipes import lean_lm_head, liger, lora, resilience
-    from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
     from recipes.config import load_recipe
-    from recipes.validate import check_processes_per_gpu, check_recipe, resolve_report_to
+    from recipes.distributed import stale_build_locks
+    from recipes.validate import check_processes_per_gpu, check_recipe
 
     recipe = load_recipe(cli["recipe"], cli["overrides"])
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -127,53 +111,65 @@ def main(argv: list[str] | None = None) -> dict:
     prediction = preflight(recipe, world_size, enforce=cli["preflight"])
     if recipe.run.check_disk:
         disk_check(recipe, cli["save"])
-    from recipes.distributed import stale_build_locks
-
     if int(os.environ.get("RANK", 0)) == 0:
         for lock in stale_build_locks():
             logger.warning("stale build lock %s (over 30 min old): if DeepSpeed's start hangs here, delete it", lock)
+    return recipe, world_size, prediction
 
-    from trl import DPOConfig, DPOTrainer
 
-    from recipes.data import check_chat_template, length_report, load_eval_data, load_train_data, truncation_warning
+def training_arguments(recipe):
+    """Step 3: TRL's DPOConfig from the recipe's top level (this starts the process group under DeepSpeed), logging,
+    the per-GPU memory cap, and the guard that saves on signals and stops on non-finite values."""
+    import torch
+    from trl import DPOConfig
+
+    from recipes import liger, resilience
+    from recipes.checkpointing import uses_transformers_layer_checkpointing
     from recipes.distributed import skip_cpu_shm_allreduce, teach_accelerate_cpu_gloo
-    from recipes.emulation import local_parameters, parameter_bytes, sgd_in_backward
-    from recipes.modeling import build_model, load_architecture, load_tokenizer
+    from recipes.validate import resolve_report_to
 
-    # ---- 3. logging and training arguments ---------------------------------------------------------------------
-    trainer_kwargs = dict(recipe.trainer)
-    trainer_kwargs["activation_checkpointing"] = uses_transformers_layer_checkpointing(memory.checkpointing)
-    trainer_kwargs["report_to"] = resolve_report_to(trainer_kwargs)
-    trainer_kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
-    trainer_kwargs.setdefault("dataloader_pin_memory", torch.cuda.is_available())  # on CPU torch warns it is unused
-    trainer_kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
+    memory = recipe.memory
+    kwargs = dict(recipe.trainer)
+    kwargs["activation_checkpointing"] = uses_transformers_layer_checkpointing(memory.checkpointing)
+    kwargs["report_to"] = resolve_report_to(kwargs)
+    kwargs.setdefault("include_num_input_tokens_seen", "non_padding")
+    kwargs.setdefault("dataloader_pin_memory", torch.cuda.is_available())  # on CPU torch warns it is unused
+    kwargs.setdefault("bf16", torch.cuda.is_available() and recipe.model.dtype == "bfloat16")
     if recipe.parallelism.sp_size > 1:  # evaluation's extra logits forward cannot be sequence-parallel
-        trainer_kwargs.setdefault("prediction_loss_only", True)
+        kwargs.setdefault("prediction_loss_only", True)
     if memory.sgd_in_backward:  # the update happens in backward; the Trainer's SGD then finds no gradients
-        trainer_kwargs.update(optim="sgd", max_grad_norm=0.0)
-    liger_config = liger.take(trainer_kwargs)  # applied below, before our patches, instead of by the Trainer
-    trainer_kwargs.setdefault("ddp_timeout", 7200)  # a 64k step and a 12B save take minutes; a hang fails in 2 h
+        kwargs.update(optim="sgd", max_grad_norm=0.0)
+    liger_config = liger.take(kwargs)  # applied to the models before our patches, not by the Trainer
+    kwargs.setdefault("ddp_timeout", 7200)  # a 64k step and a 12B save take minutes; a hang fails in 2 h
     # older checkpoints are rotated only once the new one is complete (recipes/resilience.py), not by the Trainer
-    keep_checkpoints = trainer_kwargs.pop("save_total_limit", None)
+    keep_checkpoints = kwargs.pop("save_total_limit", None)
     teach_accelerate_cpu_gloo()
     skip_cpu_shm_allreduce()
-    args = DPOConfig(**trainer_kwargs)  # with `deepspeed` set this starts the process group
-    is_main = args.process_index == 0
-    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.INFO if is_main else logging.WARNING)
-    logging.getLogger("recipes").setLevel(logging.INFO if is_main else logging.WARNING)
-
+    args = DPOConfig(**kwargs)  # with `deepspeed` set this starts the process group
+    level = logging.INFO if args.process_index == 0 else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=level)
+    logging.getLogger("recipes").setLevel(level)
     if memory.memory_cap_gb and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(args.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory.memory_cap_gb * 1e9 / total), args.device)
-
-    resume = _resolve_resume(cli["resume"], args.output_dir, is_main)
-    done = resilience.steps_done(resume)
-    if done is not None and 0 < args.max_steps <= done and is_main:
-        logger.warning("%s already reached max_steps %d (step %d): nothing left to train; raise `max_steps` to train "
-                       "further", resume, args.max_steps, done)
     guard = resilience.ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints, recipe.run.on_nonfinite)
+    return args, liger_config, guard
 
-    # ---- 4. data -------------------------------------------------------------------------------------------------
+
+def _say_if_finished(resume, max_steps: int, is_main: bool) -> None:
+    from recipes import resilience
+
+    done = resilience.steps_done(resume)
+    if done is not None and 0 < max_steps <= done and is_main:
+        logger.warning("%s already reached max_steps %d (step %d): nothing left to train; raise `max_steps` to train "
+                       "further", resume, max_steps, done)
+
+
+def load_data(recipe, is_main: bool):
+    """Step 4: the tokenizer and the preference data, checked against the chat template and the model's vocabulary."""
+    from recipes.data import check_chat_template, load_eval_data, load_train_data
+    from recipes.modeling import load_architecture, load_tokenizer
+
     tokenizer = load_tokenizer(recipe.model)
     train_raw = load_train_data(recipe.data)
     dropped_roles = check_chat_template(tokenizer, train_raw)
@@ -182,18 +178,24 @@ def main(argv: list[str] | None = None) -> dict:
     eval_raw = load_eval_data(recipe.data)
     if eval_raw is not None:
         check_chat_template(tokenizer, eval_raw, "eval_files")
-
     vocab_size = load_architecture(recipe.model).vocab_size
     if len(tokenizer) > vocab_size:
         raise RecipeError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}; "
                           "use a matching `model.tokenizer`.")
+    return tokenizer, train_raw, eval_raw
 
-    # ---- 5. model: policy (patched) and reference (an identical copy for random-init runs) ---------------------
+
+def build_models(recipe, args, liger_config, memory_callback, guard):
+    """Step 5: the policy (Liger's kernels, then our patches) and the reference (an identical copy for random-init
+    runs; none for LoRA, whose reference is the base with the adapters off)."""
+    from recipes import liger
+    from recipes.checkpointing import apply_memory_patches
+    from recipes.emulation import parameter_bytes, sgd_in_backward
+    from recipes.modeling import build_model
+
+    memory = recipe.memory
     model = build_model(recipe.model)
-    # ZeRO-3 partitions each parameter as the model is constructed (zero.Init): no rank ever holds the whole model
-    built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
     ref_model = None
-    # LoRA: TRL scores the reference with the adapters off, so no copy is built (recipes/lora.py)
     if recipe.model.architecture and not args.precompute_ref_log_probs and not recipe.model.use_peft:
         ref_model = build_model(recipe.model)  # same config, same seed -> identical weights (step-0 loss = ln 2)
     if liger_config is not None:  # before our patches, so that they wrap Liger's kernels (recipes/liger.py)
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks.append(profiling.ProfileCallback(memory.profile_step))
     wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
                                    memory.lean_norm, label=label)
-    wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, below
+    wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, in train()
     wrapped["liger"] = int(liger_config is not None)
     sp = None
     if recipe.parallelism.sp_size > 1:  # routes attention through Ulysses for every model of this process
@@ -217,70 +219,43 @@ def main(argv: list[str] | None = None) -> dict:
     if memory.sgd_in_backward:
         sgd_in_backward(model, args.learning_rate)
     memory_callback.weights_gb = parameter_bytes(model, ref_model) / 1e9
+    return model, ref_model, wrapped, sp, callbacks
 
-    # ---- 6. trainer ----------------------------------------------------------------------------------------------
-    class RecipeDPOTrainer(DPOTrainer):
-        def log(self, logs, start_time=None):
-            if self.model.training:
-                logs.update(memory_callback.telemetry_logs())
-            super().log(logs, start_time)
 
-        def get_train_dataloader(self):
-            loader = super().get_train_dataloader()
-            return sp.shard_over_data_parallel_ranks(loader) if sp else loader
+def build_trainer(recipe, args, model, ref_model, tokenizer, train_raw, eval_raw, callbacks, memory_callback, guard,
+                  sp):
+    """Step 6: the trainer, with TRL's activation offloading kept away from ZeRO-3 parameters and the fused LM-head
+    forwards made sequence-parallel."""
+    from recipes import lora
+    from recipes.trainer import RecipeDPOTrainer
 
-        def get_eval_dataloader(self, eval_dataset=None):
-            loader = super().get_eval_dataloader(eval_dataset)
-            return sp.shard_over_data_parallel_ranks(loader) if sp else loader
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                       num_items_in_batch=num_items_in_batch)
-            loss = out[0] if return_outputs else out
-            if model.training and os.environ.get("RECIPES_FAULT_NAN_AT_STEP") == str(self.state.global_step + 1):
-                loss = loss * float("nan")  # fault injection for the tests: a NaN loss at step N
-                out = (loss, *out[1:]) if return_outputs else loss
-            if model.training:
-                guard.saw_loss(loss)
-            return out
-
-        def _get_grad_norm(self, model, grad_norm=None):
-            grad_norm = super()._get_grad_norm(model, grad_norm)
-            guard.saw_grad_norm(grad_norm)
-            return grad_norm
-
-        def _track_num_input_tokens(self, inputs):
-            # transformers sums every rank's batch: the K ranks of a sequence-parallel group hold the same pairs
-            before = self.state.num_input_tokens_seen
-            super()._track_num_input_tokens(inputs)
-            if sp:
-                self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // sp.k
-
-    trainer = RecipeDPOTrainer(
-        model=model,
-        ref_model=ref_model,
-        args=args,
-        train_dataset=train_raw,
-        eval_dataset=eval_raw,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        peft_config=lora.peft_config(recipe.model),
-    )
-    if recipe.model.use_peft and is_main:
+    trainer = RecipeDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train_raw,
+                               eval_dataset=eval_raw, processing_class=tokenizer, callbacks=callbacks,
+                               peft_config=lora.peft_config(recipe.model), memory_callback=memory_callback,
+                               guard=guard, sp=sp)
+    if recipe.model.use_peft and args.process_index == 0:
         logger.info(lora.trainable_summary(trainer.model))
     if args.activation_offloading:  # TRL's offloader, kept away from ZeRO-3 parameters, pinned or pageable
         from recipes.offloading import offload_context
 
-        trainer.maybe_activation_offload_context = offload_context(trainer.model, memory.offload_pin_memory)
+        trainer.maybe_activation_offload_context = offload_context(trainer.model, recipe.memory.offload_pin_memory)
         memory_callback.offload_ledger = trainer.maybe_activation_offload_context.ledger
     if sp:
         sp.wrap(trainer.model)  # TRL's fused-LM-head forwards, policy and reference
         sp.wrap(trainer.ref_model)
         trainer._tp_size = sp.k  # TRL's token count gathers every rank: a group holds each token K times
-    report = length_report(trainer.train_dataset, len(train_raw), args.max_length)
+    return trainer
+
+
+def log_scale(recipe, args, trainer, raw_pairs: int, wrapped, memory_callback, is_main: bool):
+    """The length report (and a warning for truncated pairs) and one line on the run's scale and levers."""
+    from recipes.data import length_report, truncation_warning
+
+    report = length_report(trainer.train_dataset, raw_pairs, args.max_length)
     dp_size = args.world_size // recipe.parallelism.sp_size
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
     if is_main:
+        memory = recipe.memory
         logger.info("length report (tokens per sequence = prompt + longer completion): %s", report)
         truncated = truncation_warning(report)
         if truncated:
@@ -293,32 +268,52 @@ def main(argv: list[str] | None = None) -> dict:
             memory.checkpointing, {k: v for k, v in wrapped.items() if v}, memory.tiled_mlp,
             memory_callback.allocator["allocator_conf"], memory_callback.allocator["source"],
         )
+    return report, dp_size
 
-    # ---- 7. train and save ---------------------------------------------------------------------------------------
+
+def train(trainer, resume, recipe, world_size: int, memory_callback, guard):
+    """Step 7: train; an out-of-memory error becomes a report (telemetry, the planner's changes, the last checkpoint)
+    and a non-finite value a stop that names the checkpoint to resume from."""
+    import torch
+
+    from recipes import lean_lm_head, resilience
+
+    output_dir = trainer.args.output_dir
     try:
-        with lean_lm_head.routed(memory.lean_lm_head):
+        with lean_lm_head.routed(recipe.memory.lean_lm_head):
             result = trainer.train(resume_from_checkpoint=resume)
     except torch.OutOfMemoryError as e:
-        raise OutOfMemory(oom_report(e, recipe, world_size, memory_callback, args.output_dir)) from None
+        raise OutOfMemory(oom_report(e, recipe, world_size, memory_callback, output_dir)) from None
     if guard.stopped:
         step, quantity = guard.stopped
-        last = resilience.last_complete(args.output_dir)
+        last = resilience.last_complete(output_dir)
         raise NonFinite(f"step {step}: the {quantity} is not finite; stopped there and saved nothing. "
                         + (f"Last complete checkpoint: {last} (resume from it with `--resume_from_checkpoint {last}`, "
                            "e.g. with a lower learning_rate)." if last else "No checkpoint had been saved."))
-    if guard.preempted_at is not None:
-        if is_main:
-            logger.warning("%s received: saved checkpoint-%d and stopped; resume with --resume_from_checkpoint auto",
-                           guard.signal_received, guard.preempted_at)
-        return {"preempted_at": guard.preempted_at, "signal": guard.signal_received}
-    if cli["save"]:
-        trainer.save_model(args.output_dir)  # under ZeRO-3: gathers a 16-bit model that reloads with from_pretrained
-        if is_main:
-            tokenizer.save_pretrained(args.output_dir)
-            name_model_card(args.output_dir, recipe.model)
-            if recipe.model.lora_save_merged:
-                logger.info("adapter merged into the base weights: %s",
-                            lora.save_merged(args.output_dir, recipe.model, tokenizer))
+    return result
+
+
+def save(trainer, output_dir: str, model_args, tokenizer, is_main: bool) -> None:
+    """The final model (under ZeRO-3 a gathered 16-bit model that reloads with from_pretrained), its tokenizer and
+    model card, and for LoRA the adapter merged into the base weights when asked."""
+    from recipes import lora
+
+    trainer.save_model(output_dir)
+    if is_main:
+        tokenizer.save_pretrained(output_dir)
+        name_model_card(output_dir, model_args)
+        if model_args.lora_save_merged:
+            logger.info("adapter merged into the base weights: %s", lora.save_merged(output_dir, model_args, tokenizer))
+
+
+def write_summary(trainer, result, recipe, args, report, dp_size, guard, wrapped, memory_callback, model,
+                  built_partitioned: bool, prediction, is_main: bool) -> dict:
+    """train_summary.json: losses and logs per step, the length report, what was wrapped, the allocator, the
+    partitioning, and the planner's prediction beside the measured peak."""
+    import torch
+
+    from recipes.emulation import local_parameters
+
     summary = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "train_logs": [h for h in trainer.state.log_history if "loss" in h],  # rewards, logps, ... per step
@@ -348,10 +343,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 EXIT_PREEMPTED = 75  # saved and stopped on a signal (recipes/resilience.py); the SLURM example requeues on it
-
-
-class HelpRequested(Exception):
-    """`--help`: print the usage and exit 0."""
 
 
 HELP = __doc__ + """

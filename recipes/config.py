@@ -378,3 +378,52 @@ def resolve_path(p: str) -> str:
         return p
     candidate = REPO_ROOT / p
     return str(candidate) if candidate.exists() else p
+
+
+class HelpRequested(Exception):
+    """`--help`: print the usage and exit 0."""
+
+
+def parse_cli(argv: list[str]) -> dict:
+    """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
+    DeepSpeed JSON, --deepspeed, --resume_from_checkpoint, --no_final_save; everything else is `--key value`."""
+    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "preflight": True, "overrides": {}}
+    own = ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
+    rest = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg in ("--help", "-h"):
+            raise HelpRequested()
+        if not arg.startswith("--"):
+            if not arg.endswith(".json"):
+                raise RecipeError(f"Unexpected argument {arg!r}: overrides are `--key value` (e.g. `--max_steps 10`).")
+            cli["deepspeed"] = arg  # `deepspeed launch/train_dpo.py ds_configs/zero3.json ...`
+            continue
+        key, eq, value = arg.partition("=")
+        if key == "--no_final_save":  # benchmarks: a random-init 12B model is not worth 24 GB of disk
+            cli["save"] = False
+            continue
+        if key == "--skip-preflight":
+            cli["preflight"] = False
+            continue
+        if not eq:  # the value is the next argument, whatever it looks like
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise RecipeError(f"`{key}` needs a value: `{key} <value>`.")
+            value = argv[i]
+            i += 1
+        if key not in own:
+            rest += [key, value]
+        elif key == "--recipe":
+            cli["recipe"] = value
+        elif key in ("--local_rank", "--local-rank"):
+            os.environ.setdefault("LOCAL_RANK", value)
+        elif key == "--resume_from_checkpoint":
+            cli["resume"] = {"true": True, "auto": "auto"}.get(value.lower(), value)
+        else:
+            cli["deepspeed"] = value
+    cli["overrides"] = parse_overrides(rest)
+    if cli["deepspeed"]:
+        cli["overrides"]["deepspeed"] = cli["deepspeed"]
+    return cli

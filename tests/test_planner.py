@@ -72,8 +72,7 @@ def test_zero3_arithmetic_by_hand():
 
 
 def test_every_committed_gpu_result_is_predicted_within_10_percent():
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    from launch.plan_memory import measured_rows, setup_from_result
+    from recipes.calibration import measured_rows, setup_from_result
 
     rows = list(measured_rows())
     assert len(rows) >= 10
@@ -86,7 +85,7 @@ def test_every_committed_gpu_result_is_predicted_within_10_percent():
 def test_the_80_gb_real_path_run_is_predicted_to_fit():
     """Real ZeRO-3, 8 layers, 12,288 tokens, layer+lean+chunked3+head+offload measured 75.9 GB reserved under an
     80 GB cap; the planner once predicted 96.7 GB and preflight refused the run."""
-    from launch.plan_memory import measured_rows, setup_from_result
+    from recipes.calibration import measured_rows, setup_from_result
 
     rows = [(env, row) for env, row, src in measured_rows() if "real_path/len12k" in src
             and row["config"] == "layer+lean+chunked3+head+offload"]
@@ -98,7 +97,7 @@ def test_the_80_gb_real_path_run_is_predicted_to_fit():
 
 def test_calibration_file_is_what_the_results_give():
     """recipes/planner_calibration.json is regenerated from results/, not edited by hand."""
-    from launch.plan_memory import calibrate
+    from recipes.calibration import calibrate
 
     assert calibrate() == {k: v for k, v in load_calibration().items()}
 

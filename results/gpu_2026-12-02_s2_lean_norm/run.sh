@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 2, device call B (one H200): lean norms at 12k / 32k / 64k.
+# One H200: lean norms at 12k / 32k / 64k.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
 DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site .whl/deepspeed-*.tar.gz || exit 1
 export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 2, device call C (one H200, last of the budget): the seed's rows at 12,288 and ours at 32k.
+# One H200: NeMo-RL PR #926's rows at 12,288 and ours at 32k.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
 DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site .whl/deepspeed-*.tar.gz || exit 1
 export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1

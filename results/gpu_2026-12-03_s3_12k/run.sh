@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 3, call A (one H200): the lean LM head at 12k, mode (a), beside stock and stock+offload; the empty_cache
+# One H200: the lean LM head at 12k, per-rank emulation, beside stock and stock+offload; the empty_cache
 # lever; the kernel probe (LM-head backward at 12k, attention backends at 64k); a snapshot of the leanest config.
 source launch/gpu_env.sh
 python3 launch/probe_kernels.py --tokens 24576 --attn-seq 65536 --out "$OUT/probe_kernels.json" > /dev/null

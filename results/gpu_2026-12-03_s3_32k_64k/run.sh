@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 3, call B (one H200, the last of the session's device budget), in order of importance, each group kept as
+# One H200, in order of importance, each group kept as
 # soon as it ends: 64k ours (attention not nested, lean norms + LM head, 8 MLP chunks, offloading); 32k stock+offload
-# and ours; the seed's rows at 5,500 and 8,192 tokens; the kernel probe.
+# and ours; NeMo-RL PR #926's rows at 5,500 and 8,192 tokens; the kernel probe.
 source launch/gpu_env.sh
 python3 launch/bench_memory.py --mode emulate --seq-tokens 65536 --steps 2 --timeout 250 --out /tmp/len64k \
     --configs layer+lean+chunked8+head+offload

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 3, call C (one H200, what was left of the device budget): the seed's rows at 5,500 and 8,192 tokens, then
+# One H200: NeMo-RL PR #926's rows at 5,500 and 8,192 tokens, then
 # the kernel probe.
 source launch/gpu_env.sh
 python3 launch/bench_memory.py --mode emulate --seq-tokens 5500,8192 --steps 2 --timeout 60 --out /tmp/seed_rows \

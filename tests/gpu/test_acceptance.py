@@ -1,6 +1,6 @@
 """GPU acceptance suite: the real entrypoint on one GPU, every shipped recipe and lever, the checks a user relies on.
 
-Run it with `bash launch/gpu_acceptance.sh` (installs the pinned packages from a local wheelhouse when they are
+Run it with `bash tools/gpu_acceptance.sh` (installs the pinned packages from a local wheelhouse when they are
 missing, writes results/gpu_acceptance/latest.log). Skipped without CUDA, so the CPU suite collects and skips it.
 
 What runs (the 12B Mistral-NeMo architecture, random init, cut to 1-2 layers so that model states and the AdamW state
@@ -35,7 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from launch.bench_memory import BASE  # noqa: E402  (the neutral settings every lever run starts from)
+from recipes.levers import BASE  # noqa: E402  (the neutral settings every lever run starts from)
 from recipes.distributed import run_job  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

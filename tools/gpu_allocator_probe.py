@@ -1,8 +1,8 @@
-"""GPU check of the seed's finding and our fix: does PYTORCH_CUDA_ALLOC_CONF take effect when set (a) after
+"""GPU check of NeMo-RL PR #926's finding and our fix: does PYTORCH_CUDA_ALLOC_CONF take effect when set (a) after
 `import torch` but before CUDA initialises, (b) after CUDA initialises, (c) through the runtime call?
 Each case runs in a fresh process; torch.cuda.memory_stats()['max_split_size'] is read back.
 
-    python launch/gpu_allocator_probe.py > allocator_probe.json
+    python tools/gpu_allocator_probe.py > allocator_probe.json
 """
 
 import json

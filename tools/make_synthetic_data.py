@@ -1,6 +1,6 @@
 """Write long synthetic preference pairs of exact token length (byte tokenizer) to a JSONL file.
 
-    python launch/make_synthetic_data.py --pairs 64 --seq-tokens 65536 --prompt-tokens 1024 --out data/synth_64k.jsonl
+    python tools/make_synthetic_data.py --pairs 64 --seq-tokens 65536 --prompt-tokens 1024 --out data/synth_64k.jsonl
 
 Recipes can also build them in memory: `data: {synthetic: {pairs: 64, seq_tokens: 65536, prompt_tokens: 1024}}`.
 """

@@ -6,16 +6,16 @@ fragmentation gap, median step time, tokens/s, host RSS and pinned host memory. 
 invocation on the same GPU, so ratios are honest.
 
     # the real path: ZeRO-3 + AdamW, fewer layers so model states fit one GPU
-    python launch/bench_memory.py --gpus 1 --layers 4 --seq-tokens 12288 \
+    python tools/bench_memory.py --gpus 1 --layers 4 --seq-tokens 12288 \
         --configs stock,stock+offload,attn_mlp,norm_attn_mlp,norm_attn_mlp+alloc64 --out results/levers_12k
     # CPU smoke (the tests run this): tiny model, python launcher
-    python launch/bench_memory.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --mode emulate \
+    python tools/bench_memory.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --mode emulate \
         --seq-tokens 64 --steps 2 --configs stock,norm_attn_mlp --out /tmp/bench
     # per-rank emulation: full 40-layer model, SGD in backward, gradients freed as produced
-    python launch/bench_memory.py --mode emulate --seq-tokens 12288,32768,65536 --configs stock,stock+offload,...
+    python tools/bench_memory.py --mode emulate --seq-tokens 12288,32768,65536 --configs stock,stock+offload,...
 
     # one table + chart of every committed per-rank emulation row (the newest of each configuration and length)
-    python launch/bench_memory.py --out results/summary --merge results/*/results.json results/*/*/results.json
+    python tools/bench_memory.py --out results/summary --merge results/*/results.json results/*/*/results.json
 
 Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (NeMo-RL PR #926's
 table format) and memory_vs_length.png.
@@ -34,78 +34,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from recipes.calibration import setup_from_result  # noqa: E402
 from recipes.distributed import run_job  # noqa: E402
-
-# Neutral memory settings every configuration starts from, then its own switches on top.
-BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
-        "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "memory.lean_norm": "false", "memory.lean_lm_head": "false",
-        "memory.offload_pin_memory": "true",
-        "activation_offloading": "false", "use_liger_kernel": "false"}
-CONFIGS = {
-    # TRL 1.16 DPOTrainer as a user gets it: transformers' per-layer checkpointing, nothing of ours.
-    "stock": {},
-    "stock+offload": {"activation_offloading": "true"},
-    # NeMo-RL PR #926's rows: attention + MLP checkpointed per module (its baseline), + norms, + allocator.
-    "attn_mlp": {"memory.checkpointing": "attn_mlp"},
-    "norm_attn": {"memory.checkpointing": "norm_attn"},
-    "norm_attn_mlp": {"memory.checkpointing": "norm_attn_mlp"},
-    "norm_attn_mlp+alloc64": {"memory.checkpointing": "norm_attn_mlp", "memory.allocator_conf": "max_split_size_mb:64"},
-    "norm_attn_mlp+expandable": {"memory.checkpointing": "norm_attn_mlp",
-                                 "memory.allocator_conf": "expandable_segments:True"},
-    "norm_attn_mlp+empty_cache": {"memory.checkpointing": "norm_attn_mlp", "memory.empty_cache_steps": "1"},
-    # Nested checkpointing done right, then with tiling and TRL's activation offloading.
-    "layer+norm_attn_mlp": {"memory.checkpointing": "layer+norm_attn_mlp"},
-    "layer+norm_attn+tiled": {"memory.checkpointing": "layer+norm_attn", "memory.tiled_mlp": "8"},
-    "layer+norm_attn_mlp+offload": {"memory.checkpointing": "layer+norm_attn_mlp", "activation_offloading": "true"},
-    "layer+norm_attn+tiled+offload": {"memory.checkpointing": "layer+norm_attn", "memory.tiled_mlp": "8",
-                                      "activation_offloading": "true"},
-    # The MLP split per sequence chunk, each chunk its own checkpoint (aimed at the 12k snapshot's largest holder).
-    "layer+norm_attn+chunked4+offload": {"memory.checkpointing": "layer+norm_attn", "memory.mlp_chunks": "4",
-                                         "activation_offloading": "true"},
-    "layer+norm_attn+chunked8+offload": {"memory.checkpointing": "layer+norm_attn", "memory.mlp_chunks": "8",
-                                         "activation_offloading": "true"},
-    # Lean norms (recipes/lean_norm.py), aimed at the 64k snapshot's largest holder: fp32 copies in the norms'
-    # backward. With them the norms need no checkpoint of their own; attention nested or not.
-    "layer+lean+chunked8+offload": {"memory.lean_norm": "true", "memory.mlp_chunks": "8",
-                                    "activation_offloading": "true"},
-    "layer+attn+lean+chunked4+offload": {"memory.checkpointing": "layer+attn_mlp", "memory.lean_norm": "true",
-                                         "memory.mlp_chunks": "4", "activation_offloading": "true"},
-    "layer+attn+lean+chunked8+offload": {"memory.checkpointing": "layer+attn_mlp", "memory.lean_norm": "true",
-                                         "memory.mlp_chunks": "8", "activation_offloading": "true"},
-    "layer+lean+chunked4+offload": {"memory.lean_norm": "true", "memory.mlp_chunks": "4",
-                                    "activation_offloading": "true"},
-}
-# "+head": the lean LM-head backward (recipes/lean_lm_head.py), aimed at the 12k floor: TRL's fp32 buffer of the whole
-# LM-head weight gradient. Added to the configurations that led at 12k and at 32k-64k.
-for _n in (2, 3):
-    CONFIGS[f"layer+lean+chunked{_n}+offload"] = {**CONFIGS["layer+lean+chunked4+offload"], "memory.mlp_chunks": str(_n)}
-for _name in ("layer+norm_attn_mlp+offload", "layer+attn+lean+chunked4+offload", "layer+lean+chunked4+offload",
-              "layer+lean+chunked2+offload", "layer+lean+chunked3+offload",
-              "layer+attn+lean+chunked8+offload", "layer+lean+chunked8+offload"):
-    CONFIGS[_name.replace("+offload", "+head+offload")] = {**CONFIGS[_name], "memory.lean_lm_head": "true"}
-# The leanest 64k configuration with pageable host memory for the offloaded activations: exact sizes instead of pinned
-# blocks rounded up to a power of two (128k: 40 x 2.68 GB = 107 GB instead of 40 x 4 GB = 160 GB, over a 128 GB host).
-CONFIGS["layer+lean+chunked8+head+offload_pageable"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
-                                                        "memory.offload_pin_memory": "false"}
-# NeMo-RL PR #926's two allocator levers on the leanest configuration: cache emptying every step, expandable segments.
-CONFIGS["layer+lean+chunked8+head+offload+empty_cache"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
-                                                           "memory.empty_cache_steps": "1"}
-# The same with expandable segments, aimed at its 64k fragmentation gap (23 GB reserved above the 16.8 GB allocated).
-CONFIGS["layer+lean+chunked8+head+offload+expandable"] = {**CONFIGS["layer+lean+chunked8+head+offload"],
-                                                          "memory.allocator_conf": "expandable_segments:True"}
-# The best library-only setup (TRL's checkpointing + activation offloading + Liger's RMSNorm/SwiGLU/RoPE kernels),
-# and our levers composed with Liger's kernels (recipes/liger.py): Liger's norms or our lean ones, MLP chunks of
-# Liger's SwiGLU or none. GPU only (Triton).
-LIGER = {"use_liger_kernel": "true"}
-CONFIGS["stock+liger"] = dict(LIGER)
-CONFIGS["stock+offload+liger"] = {**CONFIGS["stock+offload"], **LIGER}
-CONFIGS["layer+liger+head+offload"] = {**CONFIGS["stock+offload"], **LIGER, "memory.lean_lm_head": "true"}
-for _n in (2, 3, 8):
-    CONFIGS[f"layer+liger+chunked{_n}+head+offload"] = {**CONFIGS["layer+liger+head+offload"],
-                                                        "memory.mlp_chunks": str(_n)}
-    CONFIGS[f"layer+lean+liger+chunked{_n}+head+offload"] = {**CONFIGS[f"layer+liger+chunked{_n}+head+offload"],
-                                                             "memory.lean_norm": "true"}
-
+from recipes.levers import BASE, BENCH_RECIPE, CONFIGS  # noqa: E402
 
 
 def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
@@ -186,7 +117,7 @@ def run_one(args, name: str, seq: int) -> dict:
             f.write(f"# {name}, {seq} tokens\n\n" + open(profile + ".md").read())
     snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
     if os.path.exists(snap):
-        from launch.analyze_snapshot import peak_holders
+        from tools.analyze_snapshot import peak_holders
 
         result["peak_holders"] = peak_holders(snap)
     summary = os.path.join(out_dir, "train_summary.json")
@@ -272,25 +203,44 @@ def render_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict], path: str) -> None:
+# The curves of the merged chart: label -> configurations, the first one measured at a length taking that point
+# (the shipped recipes use 3 MLP chunks at 12k and 8 beyond).
+SUMMARY_CURVES = {
+    "stock TRL": ["stock"],
+    "TRL + offloading": ["stock+offload"],
+    "TRL + offloading + Liger (library flags only)": ["stock+offload+liger"],
+    "ours + Liger (the 12B recipes)": ["layer+liger+chunked3+head+offload", "layer+liger+chunked8+head+offload"],
+    "ours without Liger (no Triton)": ["layer+lean+chunked3+head+offload", "layer+lean+chunked8+head+offload"],
+}
+
+
+def plot(results: list[dict], path: str, curves: dict[str, list[str]] | None = None) -> None:
+    """Memory above the weights per sequence length, one curve per configuration (or per `curves` label)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5))
-    names = list(dict.fromkeys(r["config"] for r in results))
-    colors = plt.get_cmap("tab20")
-    for i, name in enumerate(names):
-        pts = [(r["seq_tokens"], r["peak_allocated_gb"]) for r in results
-               if r["config"] == name and r.get("peak_allocated_gb") is not None]
+    curves = curves or {name: [name] for name in dict.fromkeys(r["config"] for r in results)}
+    above = all(r.get("above_weights_gb") is not None for r in results if r.get("peak_allocated_gb") is not None)
+    key = "above_weights_gb" if above else "peak_allocated_gb"
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colors = plt.get_cmap("tab10")
+    for i, (label, configs) in enumerate(curves.items()):
+        pts = {}
+        for config in reversed(configs):  # the first configuration listed wins a length
+            pts.update({r["seq_tokens"]: r[key] for r in results if r["config"] == config and r.get(key) is not None})
         if pts:
-            ax.plot(*zip(*pts), marker="osD^v<>"[i % 7], color=colors(i % 20), label=name)
+            xs = sorted(pts)
+            ax.plot(xs, [pts[x] for x in xs], marker="osD^v<>"[i % 7], color=colors(i % 10), label=label,
+                    linewidth=2, markersize=7)
     ax.set_xlabel("tokens per sequence")
-    ax.set_ylabel("peak allocated (GB)")
-    ax.set_title("Peak GPU memory vs sequence length")
+    ax.set_ylabel("GB above the weights (peak allocated)" if above else "peak allocated (GB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("GPU memory vs sequence length" + (" (per-rank emulation)" if above else ""))
+    ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -298,7 +248,7 @@ def plot(results: list[dict], path: str) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="recipes/nemotron12b/dpo_12k.yaml")
+    p.add_argument("--recipe", default=BENCH_RECIPE)
     p.add_argument("--configs", default="stock,stock+offload,attn_mlp,norm_attn_mlp,layer+norm_attn_mlp")
     p.add_argument("--seq-tokens", default="12288", help="comma-separated tokens per sequence")
     p.add_argument("--prompt-tokens", type=int, default=1024)
@@ -323,7 +273,7 @@ def parse_args(argv=None):
                    help="run nothing: merge these results.json files' per-rank emulation rows into one table and chart in --out")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    args.command = shlex.join([sys.executable, "launch/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
+    args.command = shlex.join([sys.executable, "tools/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
@@ -341,14 +291,14 @@ def _attn_width(args) -> int:
     return arch.num_attention_heads * (getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads)
 
 
-def write_outputs(out: str, environment: dict, results: list[dict]) -> None:
+def write_outputs(out: str, environment: dict, results: list[dict], curves: dict | None = None) -> None:
     """results.json, results.md and the chart; a benchmark rewrites them after every run, so one stopped half-way
     keeps what it measured."""
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"environment": environment, "results": results}, f, indent=1)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(render_table(results))
-    plot(results, os.path.join(out, "memory_vs_length.png"))
+    plot(results, os.path.join(out, "memory_vs_length.png"), curves)
 
 
 def merge(paths: list[str], out: str) -> list[dict]:
@@ -367,13 +317,11 @@ def merge(paths: list[str], out: str) -> list[dict]:
             rows[(r["config"], r["seq_tokens"])] = {**r, "source": os.path.relpath(path, ROOT)}
     results = sorted(rows.values(), key=lambda r: (r["seq_tokens"], r["config"]))
     os.makedirs(out, exist_ok=True)
-    write_outputs(out, {"merged_from": sorted({r["source"] for r in results})}, results)
+    write_outputs(out, {"merged_from": sorted({r["source"] for r in results})}, results, SUMMARY_CURVES)
     return results
 
 
 def main(argv=None) -> list[dict]:
-    from launch.plan_memory import setup_from_result
-
     args = parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)

@@ -1,7 +1,7 @@
 """What holds the peak: replay a CUDA memory snapshot's allocation trace and group the allocations alive at the
 peak by the code that made them.
 
-    python launch/analyze_snapshot.py outputs/run/memory_snapshot_rank0.pickle [--top 15]
+    python tools/analyze_snapshot.py outputs/run/memory_snapshot_rank0.pickle [--top 15]
 
 History recording starts at train begin, so the weights (allocated earlier) are not in the trace: the replayed
 peak is the memory allocated *during training* (activations, gradients, gathered/temporary buffers).

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU acceptance suite (tests/gpu) in one command, on a machine with one GPU of 140+ GB (an H200) and no network
 # access needed: the pinned packages come from a local wheelhouse in ./.whl when they are not installed
-# (launch/gpu_env.sh). Writes the full output, GPU name and commit first, to the log (default
+# (tools/offline_env.sh). Writes the full output, GPU name and commit first, to the log (default
 # results/gpu_acceptance/latest.log; commit it). About 6 minutes on an H200.
-#   bash launch/gpu_acceptance.sh [LOG]
+#   bash tools/gpu_acceptance.sh [LOG]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-results/gpu_acceptance/latest.log}
 mkdir -p "$(dirname "$LOG")"
-python3 -c "import trl, deepspeed" 2>/dev/null || source launch/gpu_env.sh
+python3 -c "import trl, deepspeed" 2>/dev/null || source tools/offline_env.sh
 {
     echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
     echo "commit: ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
@@ -16,7 +16,7 @@ python3 -c "import trl, deepspeed" 2>/dev/null || source launch/gpu_env.sh
     python3 -c "import torch, transformers, trl, deepspeed, accelerate, peft, datasets as d; print('torch', torch.__version__,
 'transformers', transformers.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__,
 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', d.__version__)" 2>&1 | grep -v Warning
-    echo "command: bash launch/gpu_acceptance.sh $*"
+    echo "command: bash tools/gpu_acceptance.sh $*"
     [ -n "${GPU_ACCEPTANCE_ONLY:-}" ] && echo "SUBSET of the suite: GPU_ACCEPTANCE_ONLY=$GPU_ACCEPTANCE_ONLY (runs whose names contain these, and stock)"
 } > "$LOG"
 export GPU_ACCEPTANCE_OUT=${GPU_ACCEPTANCE_OUT:-/tmp/gpu_acceptance}

@@ -7,7 +7,7 @@
 3. One MLP (Liger's SwiGLU when liger-kernel is installed, else transformers' Mistral MLP) on a chosen/rejected pair:
    the forward alone, then in sequence chunks each in its own checkpoint (as `memory.mlp_chunks` runs it: split
    along the sequence, or along the flattened tokens), and those chunks' recompute + backward.
-    python launch/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
+    python tools/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
 """
 
 from __future__ import annotations

@@ -1,0 +1,52 @@
+"""TRL's DPOTrainer with what the recipes add around a step: memory telemetry in every training log, the
+non-finite guard (recipes/resilience.py), sequence-parallel data sharding and token counting
+(recipes/sequence_parallel.py). Imported after the allocator is set (it imports torch through TRL).
+"""
+
+from __future__ import annotations
+
+import os
+
+from trl import DPOTrainer
+
+
+class RecipeDPOTrainer(DPOTrainer):
+    def __init__(self, *args, memory_callback, guard, sp=None, **kwargs):
+        self.recipe_memory, self.recipe_guard, self.recipe_sp = memory_callback, guard, sp
+        super().__init__(*args, **kwargs)
+
+    def log(self, logs, start_time=None):
+        if self.model.training:
+            logs.update(self.recipe_memory.telemetry_logs())
+        super().log(logs, start_time)
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        return self.recipe_sp.shard_over_data_parallel_ranks(loader) if self.recipe_sp else loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        loader = super().get_eval_dataloader(eval_dataset)
+        return self.recipe_sp.shard_over_data_parallel_ranks(loader) if self.recipe_sp else loader
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss = out[0] if return_outputs else out
+        if model.training and os.environ.get("RECIPES_FAULT_NAN_AT_STEP") == str(self.state.global_step + 1):
+            loss = loss * float("nan")  # fault injection for the tests: a NaN loss at step N
+            out = (loss, *out[1:]) if return_outputs else loss
+        if model.training:
+            self.recipe_guard.saw_loss(loss)
+        return out
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        self.recipe_guard.saw_grad_norm(grad_norm)
+        return grad_norm
+
+    def _track_num_input_tokens(self, inputs):
+        # transformers sums every rank's batch: the K ranks of a sequence-parallel group hold the same pairs
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        if self.recipe_sp:
+            seen = self.state.num_input_tokens_seen - before
+            self.state.num_input_tokens_seen = before + seen // self.recipe_sp.k
