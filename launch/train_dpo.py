@@ -99,6 +99,8 @@ def check_at_start(cli: dict):
     """Step 2, no model loaded yet: the recipe, the processes against the GPUs, the planner's verdict, the disk."""
     import torch
 
+    if not torch.cuda.is_available():  # DeepSpeed otherwise guesses the CPU with a warning on every start
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from recipes.config import load_recipe
     from recipes.distributed import stale_build_locks
     from recipes.validate import check_processes_per_gpu, check_recipe
@@ -440,9 +442,9 @@ def preflight(recipe, world_size: int, enforce: bool):
     except (AttributeError, KeyError, TypeError) as e:  # an architecture the planner cannot model
         logger.warning("planner: cannot model this run (%s); no preflight", e)
         return None
-    if int(os.environ.get("RANK", 0)) == 0:
-        logger.warning("planner: predicted peak reserved %.2f GB per rank%s", result.peak_reserved_gb,
-                       f" of {result.gpu_memory_gb:.1f} GB" if result.gpu_memory_gb else "")
+    if int(os.environ.get("RANK", 0)) == 0 and result.gpu_memory_gb:  # no GPU and no memory cap: nothing to plan for
+        logger.warning("planner: predicted peak reserved %.2f GB per rank of %.1f GB", result.peak_reserved_gb,
+                       result.gpu_memory_gb)
     if enforce and result.fits is False:
         raise RecipeError(
             f"Predicted peak reserved {result.peak_reserved_gb:.1f} GB per rank exceeds the GPU's "

@@ -54,10 +54,12 @@ def test_length_report_logged(quickstart):
 
 
 def test_the_quickstart_prints_no_warnings_a_user_cannot_act_on(quickstart):
-    """Our own keys are not deprecated ones, TRL's deprecated calls are not echoed, and no pinned-memory warning on
-    a CPU; the model card names no `None` base model."""
+    """Our own keys are not deprecated ones, TRL's deprecated calls are not echoed, no pinned-memory warning on a CPU,
+    no DeepSpeed accelerator guess, no planner line without a GPU to plan for; the model card names no `None` base
+    model."""
     out, log = quickstart
     assert "FutureWarning" not in log and "UserWarning" not in log, [l for l in log.splitlines() if "Warning" in l]
+    assert "WARNING" not in log and "planner:" not in log, [l for l in log.splitlines() if "WARNING" in l]
     assert "[None]" not in open(os.path.join(out, "README.md")).read()
 
 
