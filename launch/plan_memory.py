@@ -18,7 +18,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from recipes.config import RecipeError, load_recipe, parse_overrides  # noqa: E402
+from recipes.config import RecipeError, load_recipe, parse_overrides, quiet_deprecated_checkpointing_calls  # noqa: E402
 from recipes.planner import CALIBRATION, plan, render  # noqa: E402
 
 def _gb(value: str, flag: str) -> float:
@@ -29,6 +29,7 @@ def _gb(value: str, flag: str) -> float:
 
 
 def main(argv=None) -> int:
+    quiet_deprecated_checkpointing_calls()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")

@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from recipes import allocator  # noqa: E402
-from recipes.config import HelpRequested, RecipeError, parse_cli, read_memory_section  # noqa: E402
+from recipes.config import (HelpRequested, RecipeError, parse_cli, quiet_deprecated_checkpointing_calls,  # noqa: E402
+                            read_memory_section)
 
 logger = logging.getLogger("train_dpo")
 
@@ -52,11 +53,7 @@ def name_model_card(output_dir: str, model_args) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """One DPO run, in the order that matters: the allocator before CUDA, every check before a model is loaded."""
-    import warnings
-
-    # TRL 1.16 calls transformers' deprecated `gradient_checkpointing_*` method names around every reference forward
-    # (3 FutureWarnings a run, seen with transformers 5.24): nothing a user can act on
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+    quiet_deprecated_checkpointing_calls()
     cli = parse_cli(sys.argv[1:] if argv is None else argv)
     memory_callback = set_allocator(cli)
     recipe, world_size, prediction = check_at_start(cli)
@@ -99,8 +96,6 @@ def check_at_start(cli: dict):
     """Step 2, no model loaded yet: the recipe, the processes against the GPUs, the planner's verdict, the disk."""
     import torch
 
-    if not torch.cuda.is_available():  # DeepSpeed otherwise guesses the CPU with a warning on every start
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from recipes.config import load_recipe
     from recipes.distributed import stale_build_locks
     from recipes.validate import check_processes_per_gpu, check_recipe
@@ -397,13 +392,13 @@ def disk_check(recipe, final_save: bool) -> None:
         from recipes.validate import check_deepspeed_config
 
         zero3 = check_deepspeed_config(ds_path).get("zero_optimization", {}).get("stage") == 3
-    final = params * dtype_bytes
-    if recipe.model.use_peft:  # checkpoints hold the adapters (fp32) and their optimizer state only
+    final, lora = params * dtype_bytes, 0
+    if recipe.model.use_peft:  # the adapters (fp32), and the merged model when asked
         from recipes.lora import adapter_params
 
-        params, dtype_bytes = adapter_params(recipe.model), 4
-        final = params * dtype_bytes + (final if recipe.model.lora_save_merged else 0)
-    one = resilience.checkpoint_bytes(params, dtype_bytes, zero3, with_optimizer=not t.get("save_only_model"))
+        lora = adapter_params(recipe.model)
+        final = lora * 4 + (final if recipe.model.lora_save_merged else 0)
+    one = resilience.checkpoint_bytes(params, dtype_bytes, zero3, not t.get("save_only_model"), lora)
     warning = resilience.check_disk(t.get("output_dir", "trainer_output"), one, resilience.checkpoints_kept(t),
                                     final if final_save else 0)
     if warning and int(os.environ.get("RANK", 0)) == 0:

@@ -380,6 +380,14 @@ def resolve_path(p: str) -> str:
     return str(candidate) if candidate.exists() else p
 
 
+def quiet_deprecated_checkpointing_calls() -> None:
+    """TRL 1.16 and PEFT call transformers' deprecated `gradient_checkpointing_*` / `is_gradient_checkpointing` names
+    (FutureWarnings on every run and on every LoRA plan, seen with transformers 5.24): nothing a user can act on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+
+
 class HelpRequested(Exception):
     """`--help`: print the usage and exit 0."""
 

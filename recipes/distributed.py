@@ -50,6 +50,7 @@ def skip_cpu_shm_allreduce() -> bool:
 
     if torch.cuda.is_available():
         return False
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # said, so that DeepSpeed does not guess it with a warning
     import deepspeed.ops
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 

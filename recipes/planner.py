@@ -347,9 +347,9 @@ def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1,
     s = setup_from_recipe(recipe, gpus, nodes, ds_config)
     result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
     t = recipe.trainer
-    saved, dtype_bytes = (s.lora_params, 4) if s.lora_params else (s.params, 4 if recipe.model.dtype == "float32" else 2)
-    result.checkpoint_gb = round(resilience.checkpoint_bytes(saved, dtype_bytes, s.zero3,
-                                                             not t.get("save_only_model")) / GB, 1)
+    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
+    one = resilience.checkpoint_bytes(s.params, dtype_bytes, s.zero3, not t.get("save_only_model"), s.lora_params)
+    result.checkpoint_gb = round(one / GB, 1)
     result.checkpoints_kept = resilience.checkpoints_kept(t)
     if result.fits is False:
         result.suggestions = suggest(s, gpu_memory_gb, host_memory_gb=host_memory_gb)

@@ -156,7 +156,11 @@ def rotate(output_dir: str, keep: int | None, best: str | None = None) -> None:
 
 # ---- disk ----------------------------------------------------------------------------------------------------------
 
-def checkpoint_bytes(params: int, dtype_bytes: int, zero3: bool, with_optimizer: bool) -> float:
+def checkpoint_bytes(params: int, dtype_bytes: int, zero3: bool, with_optimizer: bool, lora_params: int = 0) -> float:
+    """One checkpoint's size. With LoRA (`lora_params` adapter parameters) it holds the fp32 adapters and their
+    optimizer state only, not the frozen weights."""
+    if lora_params:
+        params, dtype_bytes = lora_params, 4
     weights = params * dtype_bytes
     if not with_optimizer:
         return weights
