@@ -138,7 +138,7 @@ def _under_non_reentrant_layer_checkpoint(layer: torch.nn.Module | None) -> bool
 
 
 def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module | None = None) -> None:
-    """Each sequence chunk of the MLP in its own checkpoint: backward holds one chunk's 14336-wide intermediates.
+    """Each chunk of the MLP's tokens in its own checkpoint: backward holds one chunk's 14336-wide intermediates.
 
     Compute, counted by the tests: each chunk runs in the forward and in its own recompute, 2 MLP forwards per step
     as for an unchunked nested MLP. In a non-reentrant layer checkpoint's replay (in backward) the chunks'
@@ -163,8 +163,12 @@ def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module 
         if not (mlp.training and torch.is_grad_enabled()):
             return forward(x)
         run = torch.empty_like if in_replay and replay_free else forward
-        parts = [checkpoint(run, part, use_reentrant=False) for part in x.chunk(chunks, dim=-2)]
-        return torch.cat(parts, dim=-2)
+        # Chunks of the flattened tokens, not of the sequence dimension: DPO runs chosen and rejected as a batch of
+        # 2, where a sequence slice is strided and each projection pays for it (MLP forward +7.4% at 12k with 3
+        # chunks, +11.7% at 64k with 8, against +3.4% / +2.9% for contiguous token chunks; tools/probe_kernels.py).
+        flat = x.reshape(-1, x.shape[-1])
+        parts = [checkpoint(run, part, use_reentrant=False) for part in flat.chunk(chunks)]
+        return torch.cat(parts).view(*x.shape[:-1], -1)
 
     mlp.forward = chunked_forward
 

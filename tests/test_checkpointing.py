@@ -141,6 +141,24 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks)
         assert not hasattr(module, "recipes_forward_calls")
 
 
+def test_chunks_are_contiguous_token_blocks(dpo_batch):
+    """DPO runs chosen and rejected as one batch of 2: a slice along the sequence would be strided, so the chunks
+    split the flattened tokens and every MLP projection of the policy reads one contiguous block."""
+    width = build_model(dpo_batch[2]).config.intermediate_size
+    seen = []
+
+    def record(module, args):
+        if isinstance(module, torch.nn.Linear) and module.out_features == width and torch.is_grad_enabled():
+            seen.append((args[0].dim(), args[0].is_contiguous(), args[0].shape[0]))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        loss_and_grads(dpo_batch, "layer", chunks=3)
+    finally:
+        handle.remove()
+    assert seen and all(dim == 2 and contiguous for dim, contiguous, _ in seen), seen
+
+
 @pytest.mark.parametrize("policy", ["layer", "layer+norm_attn"])
 def test_chunks_under_a_reentrant_layer_checkpoint_run_in_its_replay(dpo_batch, reference, policy):
     """A reentrant layer checkpoint (what TRL forces for PEFT under ZeRO-3) runs its forward under no_grad (the MLP
