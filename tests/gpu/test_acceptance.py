@@ -164,7 +164,7 @@ def write_runs(results: dict, path: str) -> None:
 
 # run -> the run whose curve it must keep: levers that only recompute, move or re-place tensors, on stock's arithmetic
 # or on Liger's; a launch form on the shipped recipe's
-EXACT = {**{name: "stock" for name in ("attn_mlp", "norm_attn_mlp", "layer+norm_attn_mlp", "mlp_chunks", "offload",
+EXACT = {**{name: "stock" for name in ("attn_mlp", "norm_attn_mlp", "layer+norm_attn_mlp", "offload",
                                        "offload_pageable", "alloc_max_split_64", "alloc_expandable", "empty_cache")},
          "stock+offload+liger": "liger", "dpo_12k/accelerate": "dpo_12k/deepspeed"}
 
@@ -387,9 +387,12 @@ def test_every_lever_gives_stocks_gradients(runs, name):
 def test_levers_that_keep_the_arithmetic_keep_the_curve(runs, name):
     """Checkpointing, offloading, allocator settings and cache emptying recompute, move or re-place the same
     tensors: the step-2 loss (after one AdamW step) equals its reference's (stock's, or Liger's on top of Liger).
-    Levers that change the arithmetic (lean norm, lean head, Liger's kernels, TiledMLP, no ZeRO; so the shipped
-    dpo_12k) are held to the gradient norm only: AdamW's first update is lr x sign(gradient) for every element, so
-    bf16 rounding in near-zero gradients moves the step-2 loss (measured on this suite: lean norm +0.018, Liger's
-    kernels -0.063 from stock's 0.754)."""
+    Levers that change the arithmetic (lean norm, lean head, Liger's kernels, no ZeRO; so the shipped dpo_12k) are
+    held to the gradient norm only: AdamW's first update is lr x sign(gradient) for every element, so bf16 rounding
+    in near-zero gradients moves the step-2 loss (measured on this suite: lean norm +0.018, Liger's kernels -0.063
+    from stock's 0.754). So are TiledMLP and MLP chunks: each projection multiplies a part of the tokens, for which
+    cuBLAS picks other tiles, so the bf16 rounding differs (step-1 gradient norm 1312.2715 with chunks, stock's
+    1312.2694; step-2 loss 0.7504 against 0.7539). In float32 the chunks give the unpatched gradients to 1e-6 (the
+    CPU suite)."""
     got, want = runs[name]["summary"]["train_logs"], runs[EXACT[name]]["summary"]["train_logs"]
     assert got[1]["loss"] == pytest.approx(want[1]["loss"], abs=2e-3)
