@@ -37,7 +37,7 @@ and lose badly here; nested inside it they cut the per-layer backward peak (the 
 drop to 0.5 GB). At 12k the peak that remains is one MLP's recomputed intermediates (2.1 GB) and the LM-head /
 embedding gradients (2.4 GB).
 
-Chunking (`memory.mlp_chunks: N`): each of N sequence chunks of every MLP in its own checkpoint, aimed at the
+Chunking (`memory.mlp_chunks: N`): each of N chunks of every MLP's tokens in its own checkpoint, aimed at the
 largest holder the 12k snapshot shows (one MLP's recomputed intermediates, 2.1 GB); nested in the layer checkpoint
 the chunks cost no extra MLP forward (see `_wrap_chunked_mlp`). Measured at 12k, when the layer's replay still ran
 them (results/gpu_2026-12-02_chunked_mlp_12k): layer+norm_attn + 4 chunks + offloading 5.29 GB / 7.27 s vs

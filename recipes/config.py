@@ -136,7 +136,7 @@ class MemoryArgs:
     checkpointing (str, defaults to "layer"): activation-checkpointing policy, one of
         recipes.checkpointing.POLICIES: none, layer, attn_mlp, norm_attn, norm_attn_mlp, layer+attn_mlp, ...
     tiled_mlp (int, defaults to 0): split each MLP over this many sequence tiles (DeepSpeed TiledMLP); 0 = off.
-    mlp_chunks (int, defaults to 0): checkpoint each MLP per sequence chunk, this many chunks (see
+    mlp_chunks (int, defaults to 0): checkpoint each MLP per chunk of its tokens, this many chunks (see
         recipes/checkpointing.py; cheaper than TiledMLP under the layer checkpoint); 0 = off.
     lean_norm (bool, defaults to False): RMSNorms computed over token chunks with a closed-form backward, saving
         only their input and one fp32 scale per token (recipes/lean_norm.py): no fp32 copies of the hidden state.

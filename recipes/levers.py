@@ -28,7 +28,7 @@ CONFIGS = {
     "layer+norm_attn_mlp+offload": {"memory.checkpointing": "layer+norm_attn_mlp", "activation_offloading": "true"},
     "layer+norm_attn+tiled+offload": {"memory.checkpointing": "layer+norm_attn", "memory.tiled_mlp": "8",
                                       "activation_offloading": "true"},
-    # The MLP split per sequence chunk, each chunk its own checkpoint (aimed at the 12k snapshot's largest holder).
+    # The MLP split into chunks of its tokens, each chunk its own checkpoint (aimed at the 12k snapshot's largest holder).
     "layer+norm_attn+chunked4+offload": {"memory.checkpointing": "layer+norm_attn", "memory.mlp_chunks": "4",
                                          "activation_offloading": "true"},
     "layer+norm_attn+chunked8+offload": {"memory.checkpointing": "layer+norm_attn", "memory.mlp_chunks": "8",

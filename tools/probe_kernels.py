@@ -5,8 +5,8 @@
 2. Causal SDPA forward + backward with grouped-query attention (32 query / 8 key-value heads, head_dim 128), as
    transformers calls it (enable_gqa, no mask), per SDPA backend: peak above the inputs and time.
 3. One MLP (Liger's SwiGLU when liger-kernel is installed, else transformers' Mistral MLP) on a chosen/rejected pair:
-   the forward alone, then in sequence chunks each in its own checkpoint (as `memory.mlp_chunks` runs it: split
-   along the sequence, or along the flattened tokens), and those chunks' recompute + backward.
+   the forward alone, then in chunks each in its own checkpoint, split along the sequence or along the flattened
+   tokens (as `memory.mlp_chunks` runs it), and those chunks' recompute + backward.
     python tools/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
 """
 
