@@ -13,7 +13,7 @@ import os
 import shlex
 
 from .config import load_recipe, parse_cli
-from .levers import BASE, BENCH_RECIPE, CONFIGS
+from .levers import BASE, CONFIGS, add_setup_arguments
 from .planner import SUB_GROUP, Setup, allocator_key, config_name, count_params, predict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,9 +36,7 @@ def setup_from_argv(argv: list[str]) -> Setup:
 def _bench_options(command: str) -> argparse.Namespace:
     """The recipe, layer count and GPU count of a recorded tools/bench_memory.py command line (its defaults)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--recipe", default=BENCH_RECIPE)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--gpus", type=int, default=1)
+    add_setup_arguments(p)
     return p.parse_known_args(shlex.split(command)[2:])[0]
 
 

@@ -5,6 +5,15 @@ top of BASE. `stock` is TRL as a user gets it; every other name lists what it sw
 
 BENCH_RECIPE = "recipes/nemotron12b/dpo_12k.yaml"  # the benchmark's default recipe (model, data, trainer settings)
 
+
+def add_setup_arguments(parser) -> None:
+    """The benchmark's options that fix a row's setup: its recipe, layer count and GPU count. tools/bench_memory.py
+    parses them to run, the planner's calibration to read a recorded command line back (same defaults)."""
+    parser.add_argument("--recipe", default=BENCH_RECIPE)
+    parser.add_argument("--layers", type=int, default=None, help="cut the model to this many layers (the real path on "
+                                                                  "one GPU: --mode zero3 --layers 8)")
+    parser.add_argument("--gpus", type=int, default=1)
+
 # Neutral memory settings every configuration starts from, then its own switches on top.
 BASE = {"memory.checkpointing": "layer", "memory.allocator_conf": "null", "memory.empty_cache_steps": "0",
         "memory.tiled_mlp": "0", "memory.mlp_chunks": "0", "memory.lean_norm": "false", "memory.lean_lm_head": "false",

@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 
 from recipes.calibration import setup_from_result  # noqa: E402
 from recipes.distributed import run_job  # noqa: E402
-from recipes.levers import BASE, BENCH_RECIPE, CONFIGS  # noqa: E402
+from recipes.levers import BASE, CONFIGS, add_setup_arguments  # noqa: E402
 
 
 def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
@@ -248,13 +248,11 @@ def plot(results: list[dict], path: str, curves: dict[str, list[str]] | None = N
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default=BENCH_RECIPE)
+    add_setup_arguments(p)
     p.add_argument("--configs", default="stock,stock+offload,attn_mlp,norm_attn_mlp,layer+norm_attn_mlp")
     p.add_argument("--seq-tokens", default="12288", help="comma-separated tokens per sequence")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (mode b)")
-    p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--mode", choices=("zero3", "emulate"), default="zero3",
                    help="zero3: the real path, deepspeed launcher + AdamW; emulate: the per-rank emulation, one process, SGD in "
                         "backward with gradients freed (the activation footprint of one ZeRO-3 rank)")
