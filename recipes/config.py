@@ -154,7 +154,8 @@ class MemoryArgs:
     snapshot_steps (int, defaults to 0): record CUDA memory history for the first N steps and dump a snapshot
         (open it at https://pytorch.org/memory_viz).
     profile_step (int, defaults to 0): profile optimizer step N with torch.profiler and write where its time went, by
-        module kind and phase (forward, recompute, backward, offload copies), to profile_step<N>.md (recipes/profiling.py).
+        module kind and phase (forward, recompute, backward, offload copies), to profile_step<N>.md, and the whole trace
+        to profile_step<N>.trace.json.gz (open it in https://ui.perfetto.dev; recipes/profiling.py).
     telemetry (bool, defaults to True): per-step memory/time telemetry to the logs and memory.jsonl.
     sgd_in_backward (bool, defaults to False): the per-rank emulation, one process: apply SGD to each parameter in
         backward and free its gradient at once (what a ZeRO-3 rank keeps); see recipes/emulation.py.

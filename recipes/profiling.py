@@ -1,5 +1,6 @@
 """Where a step's time goes (`memory.profile_step: N`): a torch.profiler trace of optimizer step N, broken down by
-module kind and phase, written to the output dir as profile_step<N>.json / .md.
+module kind and phase, written to the output dir as profile_step<N>.json / .md, with the whole trace beside them
+(profile_step<N>.trace.json.gz: open it in https://ui.perfetto.dev to see which kernels run side by side).
 
 Each decoder module's forward runs inside a labelled range (attention, MLP, norm; the LM head inside its autograd
 function), installed beneath every checkpoint wrapper, so a recompute in backward is labelled as one. Every GPU kernel
@@ -158,3 +159,4 @@ class ProfileCallback(TrainerCallback):
                        "kernel_ms": {k: round(v, 2) for k, v in rows.items()}}, f, indent=1)
         with open(base + ".md", "w") as f:
             f.write(render(rows, wall_ms, self.step))
+        prof.export_chrome_trace(base + ".trace.json.gz")  # torch gzips a .gz path

@@ -1,6 +1,7 @@
 """Every shipped recipe, DeepSpeed JSON and accelerate config is valid; the benchmark's own logic is right."""
 
 import glob
+import gzip
 import json
 import math
 import os
@@ -144,6 +145,9 @@ def test_bench_end_to_end_on_cpu(tmp_path):
                 "forward:reference"):
         assert rows.get(row, 0) > 0, (row, rows)
     assert "| forward:attention |" in (tmp_path / "profiles" / "layer-norm_attn_mlp_48.md").read_text()
+    with gzip.open(tmp_path / "profiles" / "layer-norm_attn_mlp_48.trace.json.gz", "rt") as f:  # the whole trace
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"recipes:forward:attention", "recipes:recompute:mlp"} <= names
     saved = json.load(open(tmp_path / "results.json"))
     assert saved["environment"]["mode"] == "emulate" and saved["environment"]["trl"] == "1.16.0"
     assert (tmp_path / "results.md").read_text().count("| 48 |") == 2

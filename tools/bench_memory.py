@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 
@@ -113,8 +114,11 @@ def run_one(args, name: str, seq: int) -> dict:
     if args.profile and os.path.exists(profile + ".json"):
         result["profile"] = json.load(open(profile + ".json"))
         os.makedirs(os.path.join(args.out, "profiles"), exist_ok=True)
-        with open(os.path.join(args.out, "profiles", f"{name}_{seq}.md".replace("+", "-")), "w") as f:
+        kept = os.path.join(args.out, "profiles", f"{name}_{seq}".replace("+", "-"))
+        with open(kept + ".md", "w") as f:
             f.write(f"# {name}, {seq} tokens\n\n" + open(profile + ".md").read())
+        if os.path.exists(profile + ".trace.json.gz"):
+            shutil.copy(profile + ".trace.json.gz", kept + ".trace.json.gz")
     snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
     if os.path.exists(snap):
         from tools.analyze_snapshot import peak_holders
@@ -266,7 +270,8 @@ def parse_args(argv=None):
                    help="record CUDA memory history for 2 steps and write what holds the peak (analyze_snapshot.py)")
     p.add_argument("--profile", action="store_true",
                    help="profile the last step (not timed) and write where its time went (recipes/profiling.py) to "
-                        "results.json and profiles/<config>_<tokens>.md")
+                        "results.json and profiles/<config>_<tokens>.md, its whole trace to profiles/<config>_<tokens>"
+                        ".trace.json.gz")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                    help="run nothing: merge these results.json files' per-rank emulation rows into one table and chart in --out")
     p.add_argument("--out", required=True)
