@@ -148,6 +148,10 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     with gzip.open(tmp_path / "profiles" / "layer-norm_attn_mlp_48.trace.json.gz", "rt") as f:  # the whole trace
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {"recipes:forward:attention", "recipes:recompute:mlp"} <= names
+    from tools import analyze_trace
+
+    with pytest.raises(SystemExit, match="holds no GPU kernels"):  # a CPU run's trace: one clear line
+        analyze_trace.main([str(tmp_path / "profiles" / "layer-norm_attn_mlp_48.trace.json.gz")])
     saved = json.load(open(tmp_path / "results.json"))
     assert saved["environment"]["mode"] == "emulate" and saved["environment"]["trl"] == "1.16.0"
     assert (tmp_path / "results.md").read_text().count("| 48 |") == 2
@@ -235,3 +239,36 @@ def test_imports_go_one_way():
     for package, banned in (("recipes", {"launch", "tools"}), ("launch", {"tools"}), ("tools", {"launch"})):
         for path in glob.glob(os.path.join(ROOT, package, "*.py")):
             assert not imported(path) & banned, f"{os.path.relpath(path, ROOT)} imports {imported(path) & banned}"
+
+
+def test_trace_overlap_by_row_and_stream(tmp_path):
+    """A trace in torch.profiler's (kineto's) layout: labels on the CPU thread, launches and kernels tied by their
+    correlation id. Each kernel is charged to the innermost label around its launch; overlap counts only kernels of
+    other streams."""
+    from tools import analyze_trace
+
+    def x(cat, name, tid, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    events = [x("user_annotation", "recipes:forward:attention", 1, 0, 100),
+              x("user_annotation", "recipes:forward:norm", 1, 10, 40),  # nested: the innermost label wins
+              x("user_annotation", "recipes:forward:mlp", 1, 100, 100),
+              x("cuda_runtime", "cudaLaunchKernel", 1, 20, 1, correlation=1),
+              x("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
+              x("cuda_runtime", "cudaLaunchKernel", 1, 150, 1, correlation=3),
+              x("cuda_runtime", "cudaLaunchKernel", 2, 150, 1, correlation=4),  # a thread without labels
+              x("kernel", "k1", 7, 100, 100, stream=7, correlation=1),
+              x("kernel", "k2", 7, 200, 100, stream=7, correlation=2),
+              x("kernel", "k3", 20, 150, 100, stream=20, correlation=3),
+              x("kernel", "k4", 7, 300, 10, stream=7, correlation=4)]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = analyze_trace.main([str(path), "--out", str(tmp_path / "overlap.md")])
+    assert rows["forward:norm"]["kernel_ms"] == pytest.approx(0.1)  # k1, overlapped by k3 over [150, 200]
+    assert rows["forward:norm"]["overlapped_ms"] == pytest.approx(0.05)
+    assert rows["forward:attention"]["overlapped_ms"] == pytest.approx(0.05)  # k2 by k3 over [200, 250]
+    assert rows["forward:mlp"]["overlapped_ms"] == pytest.approx(0.1)  # k3 by k1 then k2: [150, 250]
+    assert dict(rows["forward:mlp"]["with"]) == pytest.approx({("forward:norm", 7): 0.05, ("forward:attention", 7): 0.05})
+    assert rows["unlabelled"]["kernel_ms"] == pytest.approx(0.01) and rows["unlabelled"]["overlapped_ms"] == 0
+    assert "| forward:mlp | 0.1 | 0.1 |" in (tmp_path / "overlap.md").read_text()

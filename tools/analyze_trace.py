@@ -1,0 +1,132 @@
+"""Which GPU kernels run side by side in a profiled step, by where they were launched.
+
+`memory.profile_step: N` (or `tools/bench_memory.py --profile`) writes the step's trace as
+profile_step<N>.trace.json.gz. Its breakdown sums kernel time per row; when kernels of several streams overlap, those
+sums exceed the wall time and cannot say what stretched. This reads the trace and, per row (the innermost
+`recipes:` label around the launch: forward:attention, recompute:mlp, ...), reports the kernel time, how much of it
+ran while a kernel of another stream was running, and the rows (and streams) of those other kernels.
+
+    python tools/analyze_trace.py profiles/layer-liger-chunked8-head-offload_65536.trace.json.gz [--out overlap.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import sys
+from collections import defaultdict
+
+PREFIX = "recipes:"  # recipes/profiling.py's labels
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def _labels_by_thread(events: list[dict]) -> dict:
+    """Per CPU thread, its `recipes:` ranges sorted by start: (start, end, label)."""
+    ranges = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("name", "").startswith(PREFIX):
+            ranges[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"][len(PREFIX):]))
+    return {tid: sorted(r) for tid, r in ranges.items()}
+
+
+def _innermost(ranges: list[tuple], ts: float) -> str:
+    """The label of the latest-starting range that still contains `ts` (ranges nest on one thread)."""
+    i = bisect.bisect_right(ranges, (ts, float("inf"), "")) - 1
+    while i >= 0:
+        start, end, label = ranges[i]
+        if end >= ts:
+            return label
+        i -= 1
+    return "unlabelled"
+
+
+def kernels(events: list[dict]) -> list[dict]:
+    """Every GPU kernel with its stream, interval and row (the label around the call that launched it)."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    labels = _labels_by_thread(events)
+    out = []
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        row = _innermost(labels.get(launch["tid"], []), launch["ts"]) if launch else "unlabelled"
+        out.append({"row": row, "stream": e["args"].get("stream", e.get("tid")), "start": e["ts"],
+                    "end": e["ts"] + e["dur"]})
+    return out
+
+
+def overlaps(ks: list[dict]) -> dict:
+    """Per row: kernel ms, ms of it during which another stream's kernel ran (the union over those kernels), and
+    pairwise overlap ms with each other (row, stream)."""
+    rows = defaultdict(lambda: {"kernel_ms": 0.0, "overlapped_ms": 0.0, "with": defaultdict(float)})
+    ks = sorted(ks, key=lambda k: k["start"])
+    covered: list[list[tuple]] = [[] for _ in ks]
+    active: list[int] = []  # kernels still running at the current start: about one per stream
+    for i, k in enumerate(ks):
+        active = [j for j in active if ks[j]["end"] > k["start"]]
+        for j in active:
+            a = ks[j]
+            if a["stream"] == k["stream"]:
+                continue
+            lo, hi = k["start"], min(k["end"], a["end"])
+            covered[i].append((lo, hi))
+            covered[j].append((lo, hi))
+            rows[k["row"]]["with"][(a["row"], a["stream"])] += (hi - lo) / 1e3
+            rows[a["row"]]["with"][(k["row"], k["stream"])] += (hi - lo) / 1e3
+        active.append(i)
+    for k, spans in zip(ks, covered):
+        rows[k["row"]]["kernel_ms"] += (k["end"] - k["start"]) / 1e3
+        rows[k["row"]]["overlapped_ms"] += _union(spans) / 1e3
+    return rows
+
+
+def _union(intervals: list[tuple]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def render(rows: dict, top: int = 3) -> str:
+    lines = ["| row | kernel ms | overlapped by other streams (ms) | overlapping most (row @ stream: ms) |",
+             "|---|---|---|---|"]
+    for row, r in sorted(rows.items(), key=lambda kv: -kv[1]["kernel_ms"]):
+        partners = sorted(r["with"].items(), key=lambda kv: -kv[1])[:top]
+        named = ", ".join(f"{p} @ {s}: {ms:.0f}" for (p, s), ms in partners) or "-"
+        lines.append(f"| {row} | {r['kernel_ms']:.1f} | {r['overlapped_ms']:.1f} | {named} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="a profile_step<N>.trace.json.gz written by recipes/profiling.py")
+    p.add_argument("--out", help="also write the table here")
+    args = p.parse_args(argv)
+    try:
+        ks = kernels(load(args.trace))
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"error: {args.trace} is not a readable torch.profiler trace ({e}).")
+    if not ks:
+        sys.exit(f"error: {args.trace} holds no GPU kernels (a CPU-only run): nothing runs side by side.")
+    rows = overlaps(ks)
+    table = render(rows)
+    print(table, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
