@@ -40,7 +40,6 @@ def _bench_options(command: str) -> argparse.Namespace:
     return p.parse_known_args(shlex.split(command)[2:])[0]
 
 
-
 def setup_from_result(environment: dict, row: dict) -> Setup:
     """The Setup a committed benchmark row (or acceptance run) ran with, rebuilt from its recorded command."""
     if "argv" in row:
@@ -99,11 +98,11 @@ def calibrate() -> dict:
     """Fit per-configuration coefficients on the emulate-mode rows (pure activations); allocator factors on rows
     that set an allocator; the pinned-memory factor on rows with offloading."""
     zero = {"configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}  # fits one config at a time
-    rows = list(measured_rows())
+    # each row's Setup rebuilt once (a recipe and an architecture read per row), then shared by every fit below
+    rows = [(env, row, src, setup_from_result(env, row)) for env, row, src in measured_rows()]
     by_config: dict[str, list] = {}
-    for env, row, src in rows:
+    for env, row, src, s in rows:
         if env["mode"] == "emulate":
-            s = setup_from_result(env, row)
             by_config.setdefault(s.config, []).append((s, row, src))
     cal = {"_comment": "fitted by `python launch/plan_memory.py --calibrate` from the files in `sources`",
            "configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}
@@ -130,8 +129,7 @@ def calibrate() -> dict:
     cal["pinned_factor"] = round(sum(pinned) / len(pinned), 4) if pinned else 1.0
     cal["zero3"] = fit_zero3(rows, cal)
     ratios: dict[str, list] = {}
-    for env, row, src in rows:
-        s = setup_from_result(env, row)
+    for env, row, src, s in rows:
         if s.allocator_conf and s.config in cal["configs"]:
             unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
             fixed = resident(s, cal)
@@ -142,13 +140,13 @@ def calibrate() -> dict:
 
 def fit_zero3(rows, cal: dict) -> dict:
     """The optimizer step's transient per parameter of a sub-group, and the gap it leaves between reserved and
-    allocated, from real-path rows that measured the two peaks apart (no allocator setting)."""
+    allocated, from real-path rows that measured the two peaks apart (no allocator setting). `rows`: calibrate()'s
+    (environment, row, source, Setup) tuples."""
     steps, gaps, sources = [], [], set()
-    for env, row, src in rows:
+    for env, row, src, s in rows:
         opt = row.get("optimizer_peak_allocated_gb")
         if env["mode"] != "zero3" or opt is None:
             continue
-        s = setup_from_result(env, row)
         if s.allocator_conf or s.offload_optimizer:
             continue
         steps.append((opt - resident(s, cal)) * 1e9 / min(s.params / s.ranks, SUB_GROUP))
@@ -163,14 +161,14 @@ def fit_zero3(rows, cal: dict) -> dict:
 
 def fit_zero3_reserved(rows, cal: dict) -> None:
     """A configuration's reserved factor on the real path, where it was measured there with the forward/backward
-    transient at least twice the optimizer step's: the per-rank emulation runs 40 layers of churn and fragments more (at 64k with Liger's kernels
-    and TRL's offloading: 1.93x the activations in emulation, 1.27x on ZeRO-3 with 8 layers)."""
+    transient at least twice the optimizer step's: the per-rank emulation runs 40 layers of churn and fragments more
+    (at 64k with Liger's kernels and TRL's offloading: 1.93x the activations in emulation, 1.27x on ZeRO-3 with 8
+    layers)."""
     factors: dict[str, list] = {}
-    for env, row, src in rows:
+    for env, row, src, s in rows:
         act, opt = row.get("activation_peak_allocated_gb"), row.get("optimizer_peak_allocated_gb")
         if env["mode"] != "zero3" or act is None or opt is None:
             continue
-        s = setup_from_result(env, row)
         fixed = resident(s, cal)
         # only where the forward/backward clearly set the peak: near the optimizer step's the reserved figure is
         # the step's own gap, and the quotient below blows up (12k, 8 layers, stock: 1.89)
