@@ -12,7 +12,6 @@ ran while a kernel of another stream was running, and the rows (and streams) of 
 from __future__ import annotations
 
 import argparse
-import bisect
 import gzip
 import json
 import sys
@@ -28,40 +27,34 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def _labels_by_thread(events: list[dict]) -> dict:
-    """Per CPU thread, its `recipes:` ranges sorted by start: (start, end, label)."""
-    ranges = defaultdict(list)
+def _launch_rows(events: list[dict]) -> dict:
+    """correlation id -> the innermost `recipes:` label around the call that launched it, one sweep per CPU thread
+    (labels nest on a thread: a stack of the open ones)."""
+    per_thread = defaultdict(list)  # tid -> (ts, order, what): ranges sort before launches at the same ts
     for e in events:
         if e.get("ph") == "X" and e.get("name", "").startswith(PREFIX):
-            ranges[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"][len(PREFIX):]))
-    return {tid: sorted(r) for tid, r in ranges.items()}
-
-
-def _innermost(ranges: list[tuple], ts: float) -> str:
-    """The label of the latest-starting range that still contains `ts` (ranges nest on one thread)."""
-    i = bisect.bisect_right(ranges, (ts, float("inf"), "")) - 1
-    while i >= 0:
-        start, end, label = ranges[i]
-        if end >= ts:
-            return label
-        i -= 1
-    return "unlabelled"
+            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], e["name"][len(PREFIX):])))
+        elif e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
+            per_thread[e["tid"]].append((e["ts"], 1, e["args"]["correlation"]))
+    rows = {}
+    for items in per_thread.values():
+        open_ranges: list[tuple] = []
+        for ts, order, what in sorted(items, key=lambda item: item[:2]):
+            while open_ranges and open_ranges[-1][0] < ts:
+                open_ranges.pop()
+            if order == 0:
+                open_ranges.append(what)
+            else:
+                rows[what] = open_ranges[-1][1] if open_ranges else "unlabelled"
+    return rows
 
 
 def kernels(events: list[dict]) -> list[dict]:
     """Every GPU kernel with its stream, interval and row (the label around the call that launched it)."""
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    labels = _labels_by_thread(events)
-    out = []
-    for e in events:
-        if e.get("cat") != "kernel":
-            continue
-        launch = launches.get(e.get("args", {}).get("correlation"))
-        row = _innermost(labels.get(launch["tid"], []), launch["ts"]) if launch else "unlabelled"
-        out.append({"row": row, "stream": e["args"].get("stream", e.get("tid")), "start": e["ts"],
-                    "end": e["ts"] + e["dur"]})
-    return out
+    rows = _launch_rows(events)
+    return [{"row": rows.get(e.get("args", {}).get("correlation"), "unlabelled"),
+             "stream": e.get("args", {}).get("stream", e.get("tid")), "start": e["ts"], "end": e["ts"] + e["dur"]}
+            for e in events if e.get("cat") == "kernel"]
 
 
 def overlaps(ks: list[dict]) -> dict:
