@@ -12,8 +12,9 @@ $(STAMP): requirements.txt
 
 install: $(STAMP)
 
+# The quickstart's own folder is replaced on every run (--overwrite_output_dir); your runs are refused a used folder.
 quickstart: $(STAMP)
-	$(PY) launch/train_dpo.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml
+	$(PY) launch/train_dpo.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --overwrite_output_dir
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = train(trainer, resume, recipe, world_size, memory_callback, guard)
     if guard.preempted_at is not None:
         if is_main:
-            logger.warning("%s received: saved checkpoint-%d and stopped; resume with --resume_from_checkpoint auto",
-                           guard.signal_received, guard.preempted_at)
+            logger.warning("%s: saved checkpoint-%d and stopped; resume with --resume_from_checkpoint auto",
+                           guard.stop_reason or "another rank was signalled", guard.preempted_at)
         return {"preempted_at": guard.preempted_at, "signal": guard.signal_received}
     if cli["save"]:
         save(trainer, args.output_dir, recipe.model, tokenizer, is_main)
@@ -96,7 +96,8 @@ def check_at_start(cli: dict):
     """Step 2, no model loaded yet: the recipe, the processes against the GPUs, the planner's verdict, the disk."""
     import torch
 
-    from recipes.config import load_recipe
+    from recipes import resilience
+    from recipes.config import load_recipe, trainer_default
     from recipes.distributed import stale_build_locks
     from recipes.validate import check_processes_per_gpu, check_recipe
 
@@ -105,9 +106,13 @@ def check_at_start(cli: dict):
     if torch.cuda.is_available():
         check_processes_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
     check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
+    output_dir = recipe.trainer.get("output_dir", trainer_default("output_dir"))
+    earlier = resilience.check_output_dir(output_dir, cli["resume"], cli["overwrite"])
     prediction = preflight(recipe, world_size, enforce=cli["preflight"])
     if recipe.run.check_disk:
         disk_check(recipe, cli["save"])
+    if int(os.environ.get("RANK", 0)) == 0:  # every check has passed: only now is anything deleted
+        resilience.delete_earlier_run(output_dir, earlier)
     if int(os.environ.get("RANK", 0)) == 0:
         for lock in stale_build_locks():
             logger.warning("stale build lock %s (over 30 min old): if DeepSpeed's start hangs here, delete it", lock)
@@ -377,6 +382,7 @@ def _resolve_resume(requested, output_dir: str, is_main: bool):
 def disk_check(recipe, final_save: bool) -> None:
     """Checkpoints and the final model against the output dir's free space, before any model is loaded."""
     from recipes import resilience
+    from recipes.config import trainer_default
     from recipes.modeling import load_architecture
     from recipes.planner import count_params
 
@@ -399,7 +405,7 @@ def disk_check(recipe, final_save: bool) -> None:
         lora = adapter_params(recipe.model)
         final = lora * 4 + (final if recipe.model.lora_save_merged else 0)
     one = resilience.checkpoint_bytes(params, dtype_bytes, zero3, not t.get("save_only_model"), lora)
-    warning = resilience.check_disk(t.get("output_dir", "trainer_output"), one, resilience.checkpoints_kept(t),
+    warning = resilience.check_disk(t.get("output_dir", trainer_default("output_dir")), one, resilience.checkpoints_kept(t),
                                     final if final_save else 0)
     if warning and int(os.environ.get("RANK", 0)) == 0:
         logger.warning(warning)

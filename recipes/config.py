@@ -229,6 +229,12 @@ def _dpo_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
 
 
+def trainer_default(name: str):
+    """TRL's default for a top-level recipe key (a DPOConfig field), read from DPOConfig itself."""
+    f = _dpo_fields()[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _suggest(key: str, valid) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
     return f" Did you mean `{close[0]}`?" if close else ""
@@ -395,8 +401,10 @@ class HelpRequested(Exception):
 
 def parse_cli(argv: list[str]) -> dict:
     """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
-    DeepSpeed JSON, --deepspeed, --resume_from_checkpoint, --no_final_save; everything else is `--key value`."""
-    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "preflight": True, "overrides": {}}
+    DeepSpeed JSON, --deepspeed, --resume_from_checkpoint, --no_final_save, --skip-preflight, --overwrite_output_dir;
+    everything else is `--key value`."""
+    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "preflight": True, "overwrite": False,
+           "overrides": {}}
     own = ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
     rest = []
     i = 0
@@ -416,6 +424,9 @@ def parse_cli(argv: list[str]) -> dict:
             continue
         if key == "--skip-preflight":
             cli["preflight"] = False
+            continue
+        if key == "--overwrite_output_dir":  # delete an earlier run's checkpoints and records in output_dir
+            cli["overwrite"] = True
             continue
         if not eq:  # the value is the next argument, whatever it looks like
             if i >= len(argv) or argv[i].startswith("--"):

@@ -4,9 +4,18 @@ a non-finite loss or gradient norm.
 Preemption. SIGUSR1 and SIGTERM (`run.save_on_signals`) only raise a flag; at the next optimizer-step boundary every
 rank agrees on it (one MAX all-reduce per step, shared with the non-finite check), the Trainer saves a checkpoint of
 that step, and the process exits with status 75 after writing `preempted.json` to the output dir.
-Resuming with `--resume_from_checkpoint auto` continues the same curve. The DeepSpeed launcher answers SIGTERM by
-terminating its ranks within 30 s, which a long-context step and a 12B save outlast: on SLURM ask for SIGUSR1 ahead
-of the time limit and keep the launcher from dying of it (launch/multinode/slurm_dpo.sh shows both).
+Resuming with `--resume_from_checkpoint auto` continues the same curve.
+The launcher going away counts as a signal too. SIGTERM to the `deepspeed` command ends it at once without telling
+anyone (DeepSpeed 0.19's runner installs no handler on one node): its per-node `deepspeed.launcher.launch` and the
+ranks lived on, training and saving nothing, until a SIGTERM sent by hand to that inner launcher. So each rank
+notes the launcher processes above it at start-up and checks them at every step boundary. Inner launchers that do get
+the signal (DeepSpeed's per-node launcher, torch's elastic agent under `accelerate launch`) pass SIGTERM on and kill
+the ranks 30 s later, which a long-context step and a 12B save may outlast: on SLURM ask for SIGUSR1 ahead of the
+time limit and keep the launcher from dying of it (launch/multinode/slurm_dpo.sh shows both).
+
+One run per output dir. A dir that holds an earlier run's checkpoints or records is refused at start-up unless the
+run resumes it (`--resume_from_checkpoint`) or `--overwrite_output_dir` deletes them first: training into it would
+overwrite some checkpoints and leave others, and a later resume could pick up the other run's.
 
 Complete checkpoints. After every rank has written its part of `checkpoint-N` (ZeRO shards included), rank 0 writes
 `checkpoint_complete.json`, the list of every file and its size, last. A checkpoint counts as complete when that
@@ -40,6 +49,8 @@ logger = logging.getLogger(__name__)
 COMPLETE = "checkpoint_complete.json"
 PREEMPTED = "preempted.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# What a run leaves in its output dir besides checkpoints, and so what marks the dir as holding a run
+RUN_RECORDS = (PREEMPTED, "train_summary.json", "memory.jsonl", "memory_summary.md", "memory.png", "runs")
 
 
 # ---- complete checkpoints ------------------------------------------------------------------------------------------
@@ -133,6 +144,42 @@ def _move_aside(skipped: list[tuple[str, str]]) -> None:
         logger.warning("skipped %s: %s; moved aside to %s (nothing deleted)", path, problem, aside)
 
 
+def earlier_run(output_dir: str) -> list[str]:
+    """The names in `output_dir` that an earlier run wrote: its checkpoints (complete or not) and its records."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(name for name in os.listdir(output_dir) if _CHECKPOINT.match(name) or name in RUN_RECORDS
+                  or name.startswith("incomplete-checkpoint-"))
+
+
+def check_output_dir(output_dir: str, resume, overwrite: bool) -> list[str]:
+    """Start-up check of the output dir; returns what `--overwrite_output_dir` is to delete (nothing is deleted
+    here: other checks may still refuse the run)."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise RecipeError(f"`output_dir` {output_dir!r} is a file; set `output_dir` to a folder path.")
+    found = earlier_run(output_dir)
+    if overwrite and resume is not None:
+        raise RecipeError("--overwrite_output_dir deletes the checkpoints that --resume_from_checkpoint would "
+                          "continue from; pass one of the two.")
+    if found and resume is None and not overwrite:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise RecipeError(f"`output_dir` {output_dir} holds an earlier run ({shown}); resume it with "
+                          "`--resume_from_checkpoint auto`, choose another `output_dir`, or pass "
+                          "`--overwrite_output_dir` to delete that run's checkpoints and records first.")
+    return found if overwrite else []
+
+
+def delete_earlier_run(output_dir: str, names: list[str]) -> None:
+    for name in names:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    if names:
+        logger.warning("--overwrite_output_dir: deleted the earlier run's %s from %s", ", ".join(names), output_dir)
+
+
 def steps_done(checkpoint: str | None) -> int | None:
     """The optimizer step a checkpoint was saved at (its trainer_state.json), or None."""
     path = os.path.join(checkpoint, "trainer_state.json") if checkpoint else None
@@ -214,6 +261,46 @@ def check_disk(output_dir: str, one_checkpoint: float, kept: int, final_weights:
 # ---- preemption and non-finite values ------------------------------------------------------------------------------
 
 _CODES = {None: 0.0, "gradient norm": 1.0, "loss": 2.0}  # MAX over ranks: a bad loss (the cause) outranks its norm
+# How launchers appear in a process's argv (a console script, or `python -m module`)
+LAUNCHER_SCRIPTS = {"deepspeed", "accelerate", "torchrun"}
+LAUNCHER_MODULES = {"deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
+                    "torch.distributed.launch", "accelerate.commands.launch"}
+
+
+def launcher_processes() -> list[tuple]:
+    """(process, name) of each launcher above this process, nearest first: for `deepspeed`, the per-node
+    `deepspeed.launcher.launch` and the `deepspeed` command; for `accelerate launch`, that command. None under a
+    plain `python`."""
+    import psutil
+
+    found, proc = [], psutil.Process().parent()
+    while proc is not None and proc.pid > 1:
+        try:
+            argv = proc.cmdline()[:4]
+            parent = proc.parent()
+        except psutil.Error:
+            break
+        name = next((a for a in argv if os.path.basename(a) in LAUNCHER_SCRIPTS or a in LAUNCHER_MODULES), None)
+        if name is None:
+            break
+        found.append((proc, os.path.basename(name)))
+        proc = parent
+    return found
+
+
+def launcher_gone(launchers: list[tuple]) -> str | None:
+    """How the first launcher that has exited is named in the log ('the launcher `deepspeed` (pid 123)'), or None.
+    A process that has exited but is not yet reaped by its parent (a zombie) has exited."""
+    import psutil
+
+    for proc, name in launchers:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.Error:
+            pass
+        return f"the launcher `{name}` (pid {proc.pid}) exited"
+    return None
 
 
 def _innermost_is_deepspeed(optimizer) -> bool:
@@ -237,16 +324,19 @@ class ResilienceCallback(TrainerCallback):
         self.keep = keep
         self.skip = on_nonfinite == "skip"
         self.skipped: list[tuple[int, str]] = []  # (step, quantity) left out with `skip`
-        self.signal_received: str | None = None
+        self.signal_received: str | None = None  # a signal's name, or "launcher exited"
+        self.stop_reason: str | None = None  # for the log: "SIGTERM received", "the launcher `deepspeed` ... exited"
         self.nonfinite: str | None = None  # "gradient norm", on this rank, this step
         self._loss_bad: torch.Tensor | None = None  # any non-finite loss this step, read at the step's end (no sync)
         self.preempted_at: int | None = None
         self.stopped: tuple[int, str] | None = None  # (step, quantity)
         for name in signals:
             signal.signal(getattr(signal, name), self._on_signal)
+        self.launchers = launcher_processes() if signals else []
 
     def _on_signal(self, signum, frame):
         self.signal_received = signal.Signals(signum).name  # acted on at the next step boundary
+        self.stop_reason = f"{self.signal_received} received"
 
     def saw_loss(self, loss: torch.Tensor) -> None:
         bad = ~torch.isfinite(loss.detach()).all()
@@ -274,6 +364,8 @@ class ResilienceCallback(TrainerCallback):
         fault = os.environ.get("RECIPES_FAULT_SIGNAL_AT_STEP", "")  # fault injection (the tests): "3:SIGUSR1"
         if fault.partition(":")[0] == str(state.global_step) and state.is_world_process_zero:
             os.killpg(os.getpgrp(), getattr(signal, fault.partition(":")[2]))  # the whole job, as SLURM signals it
+        if self.signal_received is None and (gone := launcher_gone(self.launchers)):
+            self.signal_received, self.stop_reason = "launcher exited", gone
         preempt, nonfinite = max_over_ranks([float(self.signal_received is not None),
                                              _CODES[self._local_nonfinite()]])
         self.nonfinite = None

@@ -30,25 +30,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_command(out_dir, *overrides: str, launcher: str = "python", procs: int = 1, recipe: str = TINY,
+                   script: str = TRAIN) -> list[str]:
+    """The command users type to run launch/train_dpo.py (or a script that wraps it) under `launcher`."""
+    args = ["--recipe", recipe, "--output_dir", str(out_dir), *overrides]
+    if launcher == "python":
+        return [sys.executable, script, *args]
+    if launcher == "deepspeed":
+        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(procs), "--master_port", str(free_port()),
+                script, ZERO3, *args]
+    if launcher == "accelerate":
+        return [os.path.join(BIN, "accelerate"), "launch", "--config_file",
+                os.path.join(ROOT, "launch", "accelerate", "zero3.yaml"), "--num_processes", str(procs),
+                "--main_process_port", str(free_port()), script, *args]
+    raise ValueError(launcher)
+
+
+def job_env(env: dict | None = None) -> dict:
+    return {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+
+
 def run_train(out_dir, *overrides: str, launcher: str = "python", procs: int = 1, recipe: str = TINY,
               env: dict | None = None, check: bool = True, script: str = TRAIN) -> subprocess.CompletedProcess:
     """Launch launch/train_dpo.py (or a script that wraps it) the way users do; returns the finished process
     (stdout+stderr in .stdout)."""
-    args = ["--recipe", recipe, "--output_dir", str(out_dir), *overrides]
-    if launcher == "python":
-        cmd = [sys.executable, script, *args]
-    elif launcher == "deepspeed":
-        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(procs), "--master_port", str(free_port()),
-               script, ZERO3, *args]
-    elif launcher == "accelerate":
-        cmd = [os.path.join(BIN, "accelerate"), "launch", "--config_file",
-               os.path.join(ROOT, "launch", "accelerate", "zero3.yaml"), "--num_processes", str(procs),
-               "--main_process_port", str(free_port()), script, *args]
-    else:
-        raise ValueError(launcher)
-    full_env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
-                "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = run_job(cmd, RUN_TIMEOUT_S, cwd=ROOT, env=full_env, stderr=subprocess.STDOUT)
+    cmd = launch_command(out_dir, *overrides, launcher=launcher, procs=procs, recipe=recipe, script=script)
+    proc = run_job(cmd, RUN_TIMEOUT_S, cwd=ROOT, env=job_env(env), stderr=subprocess.STDOUT)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc

@@ -5,10 +5,12 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
-from conftest import BIN, ROOT, TRAIN, ZERO3, free_port, run_train, summary
+from conftest import BIN, ROOT, TRAIN, ZERO3, free_port, job_env, launch_command, run_train, summary
 
 from recipes import resilience
 from recipes.config import RecipeError
@@ -190,3 +192,83 @@ def test_resume_keeps_the_telemetry_of_the_steps_before_and_says_when_nothing_is
     assert (run / "memory_summary.md").read_text().startswith("Steady state over steps 2..6")
     proc = run_train(run, *ARGS, "--resume_from_checkpoint", "true")
     assert "already reached max_steps 6 (step 6): nothing left to train" in proc.stdout
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])
+def test_sigterm_to_the_launcher_command_saves_on_every_rank_and_leaves_no_process(tmp_path, launcher):
+    """`kill <pid of the command you typed>`, 2 processes on ZeRO-3 over gloo. `deepspeed` dies of it at once and
+    tells nobody; `accelerate launch` passes it on. Either way every rank saves at its next step boundary, exits 75,
+    and nothing of the job is left running."""
+    import psutil
+
+    cmd = launch_command(tmp_path, "--max_steps", "100000", "--save_steps", "100000", "--report_to", "none",
+                         "--per_device_train_batch_size", "2", launcher=launcher, procs=2)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (tmp_path / "memory.jsonl").exists() or len(steps_ran(tmp_path)) < 2:  # training is under way
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)  # EOF once every process holding the output has exited
+        left = [p for p in psutil.process_iter() if _session(p) == proc.pid and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if _alive_in_session(proc.pid) else None
+    assert left == [], left
+    marker = json.load(open(tmp_path / "preempted.json"))
+    assert resilience.why_incomplete(marker["checkpoint"]) is None
+    assert 2 <= marker["step"] < 100000 and marker["step"] == max(steps_ran(tmp_path))
+    shards = os.listdir(os.path.join(marker["checkpoint"], f"global_step{marker['step']}"))
+    assert sum("optim_states" in name for name in shards) == 2  # both ranks saved
+    assert f"saved checkpoint-{marker['step']} and stopped" in out  # the path that exits 75
+    if launcher == "deepspeed":  # its per-node launcher, left running when the command died, reports the ranks
+        assert "exits with return code = 75" in out, out[-3000:]
+    # (`accelerate launch` itself ends 143, killed by the signal it passed on: preempted.json is the record to read)
+
+
+def _session(p) -> int | None:
+    try:
+        return os.getsid(p.pid)
+    except OSError:
+        return None
+
+
+def _alive_in_session(sid: int) -> bool:
+    import psutil
+
+    return any(_session(p) == sid for p in psutil.process_iter())
+
+
+def test_a_used_output_dir_is_refused_unless_resumed_or_overwritten(straight, tmp_path):
+    """A rerun into a folder holding another run (other learning rate, fewer steps) used to overwrite checkpoint-2
+    and -4, keep the old -6 beside them, and a later resume took the old run's -6. Now: one line, exit 2, before
+    any model is loaded, the folder untouched; `--overwrite_output_dir` deletes the old run first."""
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+
+    def state(folder):
+        return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+    before = state(run)
+    rerun = ["--max_steps", "4", "--save_steps", "2", "--report_to", "none", "--learning_rate", "1e-3"]
+    proc = run_train(run, *rerun, check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stdout, proc.stdout[-2000:]
+    assert "holds an earlier run (checkpoint-2, checkpoint-4, checkpoint-6, memory.jsonl and" in errors[0]
+    assert "--resume_from_checkpoint auto" in errors[0] and "--overwrite_output_dir" in errors[0]
+    assert "length report" not in proc.stdout  # stopped before the data and the models
+    assert state(run) == before
+
+    proc = run_train(run, *rerun, "--overwrite_output_dir", "--resume_from_checkpoint", "auto", check=False)
+    assert proc.returncode == 2 and "pass one of the two" in proc.stdout and state(run) == before
+
+    proc = run_train(run, *rerun, "--overwrite_output_dir")
+    assert "deleted the earlier run's checkpoint-2, checkpoint-4, checkpoint-6" in proc.stdout
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert steps_ran(run) == [1, 2, 3, 4]
+    assert summary(run)["losses"] != summary(straight)["losses"][:4]  # the new run's curve, not a mix
+
+    (tmp_path / "a_file").write_text("")
+    proc = run_train(tmp_path / "a_file", *rerun, check=False)
+    assert proc.returncode == 2 and "is a file; set `output_dir` to a folder path" in proc.stdout
