@@ -93,27 +93,34 @@ def set_allocator(cli: dict):
 
 
 def check_at_start(cli: dict):
-    """Step 2, no model loaded yet: the recipe, the processes against the GPUs, the planner's verdict, the disk."""
+    """Step 2, no model loaded yet: the recipe, the processes against the GPUs, the output dir, the planner's verdict
+    (against the GPU, or this machine's memory without one) and the disk, every problem reported at once."""
     import torch
 
     from recipes import resilience
     from recipes.config import load_recipe, trainer_default
     from recipes.distributed import stale_build_locks
-    from recipes.validate import check_processes_per_gpu, check_recipe
+    from recipes.validate import Problems, check_processes_per_gpu, check_recipe
 
     recipe = load_recipe(cli["recipe"], cli["overrides"])
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    problems, prediction, earlier = Problems(), None, []
     if torch.cuda.is_available():
-        check_processes_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
-    check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
+        with problems.check():
+            check_processes_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+    with problems.check():
+        check_recipe(recipe, world_size=world_size, cuda_available=torch.cuda.is_available())
     output_dir = recipe.trainer.get("output_dir", trainer_default("output_dir"))
-    earlier = resilience.check_output_dir(output_dir, cli["resume"], cli["overwrite"])
-    prediction = preflight(recipe, world_size, enforce=cli["preflight"])
+    with problems.check():
+        earlier = resilience.check_output_dir(output_dir, cli["resume"], cli["overwrite"])
+    if not problems.found or recipe.model.architecture or recipe.model.name_or_path:
+        with problems.check():
+            prediction = preflight(recipe, world_size, enforce=cli["preflight"])
+    problems.raise_if_any()
     if recipe.run.check_disk:
         disk_check(recipe, cli["save"])
     if int(os.environ.get("RANK", 0)) == 0:  # every check has passed: only now is anything deleted
         resilience.delete_earlier_run(output_dir, earlier)
-    if int(os.environ.get("RANK", 0)) == 0:
         for lock in stale_build_locks():
             logger.warning("stale build lock %s (over 30 min old): if DeepSpeed's start hangs here, delete it", lock)
     return recipe, world_size, prediction
@@ -169,12 +176,16 @@ def _say_if_finished(resume, max_steps: int, is_main: bool) -> None:
 
 def load_data(recipe, is_main: bool):
     """Step 4: the tokenizer and the preference data, checked against the chat template and the model's vocabulary."""
-    from recipes.data import check_chat_template, load_eval_data, load_train_data
+    from recipes.config import trainer_default
+    from recipes.data import check_chat_template, check_some_pair_fits, load_eval_data, load_train_data
     from recipes.modeling import load_architecture, load_tokenizer
 
     tokenizer = load_tokenizer(recipe.model)
     train_raw = load_train_data(recipe.data)
     dropped_roles = check_chat_template(tokenizer, train_raw)
+    t = recipe.trainer
+    check_some_pair_fits(tokenizer, train_raw, t.get("max_length", trainer_default("max_length")),
+                         t.get("truncation_mode", trainer_default("truncation_mode")))
     if dropped_roles and is_main:
         logger.warning(dropped_roles)
     eval_raw = load_eval_data(recipe.data)
@@ -435,12 +446,15 @@ def _planned(recipe, world_size, gpu_memory_gb: float | None = None):
 
 
 def preflight(recipe, world_size: int, enforce: bool):
-    """The planner's verdict before any model is loaded; refuses a run predicted not to fit (--skip-preflight)."""
+    """The planner's verdict before any model is loaded; refuses a run predicted not to fit (--skip-preflight).
+    Without a GPU the model lives in this machine's memory: the planner's need is checked against what is free."""
+    import torch
+
     from recipes import planner
 
     try:
         result = _planned(recipe, world_size)
-    except (AttributeError, KeyError, TypeError) as e:  # an architecture the planner cannot model
+    except (AttributeError, KeyError, TypeError, OSError) as e:  # an architecture the planner cannot model
         logger.warning("planner: cannot model this run (%s); no preflight", e)
         return None
     if int(os.environ.get("RANK", 0)) == 0 and result.gpu_memory_gb:  # no GPU and no memory cap: nothing to plan for
@@ -452,6 +466,17 @@ def preflight(recipe, world_size: int, enforce: bool):
             f"{result.gpu_memory_gb:.1f} GB, so this run would run out of memory:\n{planner.render(result)}\n"
             "Apply one of the changes above, or pass --skip-preflight to run anyway."
         )
+    if enforce and not torch.cuda.is_available():
+        import psutil
+
+        need = planner.cpu_memory_gb(result, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        free = psutil.virtual_memory().available / 1e9
+        if need > free:
+            raise RecipeError(
+                f"This machine has no GPU, so the model, its reference, gradients and optimizer state live in its "
+                f"memory: the planner puts this run at no less than {need:.0f} GB and {free:.0f} GB are free. Run it "
+                "on GPUs (the recipe's header names them) or try the pipeline here on a small model "
+                "(recipes/tiny_mistral/dpo_quickstart.yaml); --skip-preflight runs it anyway.")
     return result
 
 
@@ -516,7 +541,8 @@ def run() -> int:
             # message at all. So the other ranks wait for rank 0 to say it; they say it themselves only if they
             # are still alive then (the error was theirs alone).
             time.sleep(ERROR_GRACE_S)
-        print(f"error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():  # one line per problem found
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except OutOfMemory as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ Both TRL formats pass through untouched (TRL's DPOTrainer applies chat templates
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import string
@@ -113,12 +114,37 @@ def _read_files(files: list[str], key: str):
     empty = [f for f, p in zip(files, paths) if os.path.getsize(p) == 0]
     if empty:
         raise RecipeError(f"`data.{key}` file(s) {empty} are empty; fill them or remove them from the recipe.")
+    for f, p in zip(files, paths):
+        if p.endswith(".jsonl"):
+            _check_first_json_line(f, p, key)
+    # datasets logs a failed parse at ERROR before raising: our one line says it, with the fix
+    ds_logger = datasets.utils.logging.get_logger("datasets")
+    level = ds_logger.level
+    ds_logger.setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(builders.pop(), data_files=paths, split="train")
     except datasets.exceptions.DatasetGenerationError as e:
         cause = e.__cause__ or e
         raise RecipeError(f"`data.{key}` could not be read ({type(cause).__name__}: {str(cause)[:200]}); "
                           "fix the file (one JSON object per line for .jsonl).") from None
+    finally:
+        ds_logger.setLevel(level)
+
+
+def _check_first_json_line(name: str, path: str, key: str) -> None:
+    """A file that is not JSON Lines at all is told before `datasets` reads it (and logs its own lines)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise RecipeError(f"`data.{key}` {name!r} line {number} is not JSON ({e}); a .jsonl file holds "
+                                      "one JSON object per line.") from None
+                if not isinstance(row, dict):
+                    raise RecipeError(f"`data.{key}` {name!r} line {number} is a JSON {type(row).__name__}, not an "
+                                      "object; a .jsonl file holds one JSON object per line.")
+                return
 
 
 def _read_hub(name: str, config: str | None, split: str, key: str):
@@ -263,6 +289,40 @@ def check_chat_template(tokenizer, dataset, key: str = "train_files", rows: int 
         return (f"chat template: {dropped} of the first {checked} pairs have messages the template leaves out (roles: "
                 f"{', '.join(sorted(roles))}); they train without them. Set `model.chat_template` to keep them.")
     return None
+
+
+def prompt_tokens(tokenizer, row: dict) -> int:
+    """The prompt's length in tokens as TRL 1.16's DPOTrainer counts it when it drops pairs: the tokens the prompt
+    shares with prompt + chosen and prompt + rejected (EOS appended to string completions, chat template applied to
+    conversations). TRL's own tokenization helpers, so that the count is TRL's."""
+    from trl.data_utils import _tokenize, common_prefix_length, extract_prompt, is_conversational
+
+    row = row if "prompt" in row else extract_prompt(row)
+    if is_conversational(row):
+        prompt = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"]
+        full = [_tokenize(tokenizer, row["prompt"] + row[k])["input_ids"] for k in ("chosen", "rejected")]
+    else:
+        eos = tokenizer.eos_token or ""
+        prompt = _tokenize(tokenizer, row["prompt"])["input_ids"]
+        full = [_tokenize(tokenizer, row["prompt"] + (row[k] if row[k].endswith(eos) else row[k] + eos))["input_ids"]
+                for k in ("chosen", "rejected")]
+    return min(common_prefix_length(prompt, ids) for ids in full)
+
+
+def check_some_pair_fits(tokenizer, dataset, max_length: int | None, truncation_mode: str) -> None:
+    """Before any model is loaded: TRL drops every pair whose prompt alone fills `max_length` (keep_start
+    truncation); a run where that is every pair is an error. Stops at the first pair that is kept (usually the
+    first), so the full pass happens only when the answer is the error."""
+    if max_length is None or truncation_mode != "keep_start":
+        return
+    shortest = None
+    for row in dataset:
+        n = prompt_tokens(tokenizer, row)
+        if n < max_length:
+            return
+        shortest = n if shortest is None else min(shortest, n)
+    raise RecipeError(f"All {len(dataset)} pairs would be dropped: every prompt is at least `max_length` "
+                      f"({max_length}) tokens (the shortest has {shortest}). Raise `max_length`.")
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:

@@ -356,6 +356,13 @@ def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1,
     return result
 
 
+def cpu_memory_gb(result: Plan, ranks_on_machine: int) -> float:
+    """What a run without a GPU needs of the machine's memory, from a plan: every rank's device memory (which is
+    host memory then) plus what the plan puts on the host. A lower bound: the plan counts 16-bit weights and a CPU
+    run trains in float32."""
+    return result.peak_allocated_gb * ranks_on_machine + result.host_per_node_gb
+
+
 def render(result: Plan) -> str:
     lines = [f"  {k.replace('_', ' '):<38} {v:8.2f} GB" for k, v in result.breakdown.items()]
     lines += [f"  {'predicted activation peak allocated':<38} {result.activation_peak_gb:8.2f} GB",

@@ -5,6 +5,7 @@ Each failure is one RecipeError sentence naming the key or flag that fixes it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -12,7 +13,7 @@ import os
 
 from . import allocator, liger
 from .checkpointing import check_mlp_split, check_policy
-from .config import Recipe, RecipeError, resolve_path
+from .config import Recipe, RecipeError, resolve_path, trainer_default
 from .data import check_data_args
 from .lora import check_lora_args
 from .modeling import check_model_args
@@ -55,45 +56,89 @@ def check_family(recipe: Recipe) -> None:
                           "(`memory.checkpointing: layer`, TRL's activation_offloading and the lean LM head still apply).")
 
 
+class Problems:
+    """Collects the start-up problems so that one run reports them all (each check raises at its first)."""
+
+    def __init__(self):
+        self.found: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self):
+        try:
+            yield
+        except RecipeError as e:
+            self.found += [line for line in str(e).splitlines() if line not in self.found]
+
+    def raise_if_any(self) -> None:
+        if self.found:
+            raise RecipeError("\n".join(self.found))
+
+
 def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
-    t, mem = recipe.trainer, recipe.memory
-    check_model_args(recipe.model)
-    check_lora_args(recipe.model)
-    check_data_args(recipe.data)
+    """Every check that needs no model; all problems are reported together, one line each."""
+    t, mem, problems = recipe.trainer, recipe.memory, Problems()
+    with problems.check():
+        check_model_args(recipe.model)
+    model_ok = not problems.found  # the checks below that read the model's config need it to be there
+    if model_ok:
+        with problems.check():
+            check_lora_args(recipe.model)
+        with problems.check():
+            check_family(recipe)
+    with problems.check():
+        check_data_args(recipe.data)
     if recipe.model.use_peft and t.get("sync_ref_model"):
-        raise RecipeError("`sync_ref_model` needs a reference copy, and LoRA has none (its reference is the base "
-                          "model with the adapters off): set `sync_ref_model: false`.")
+        problems.found.append("`sync_ref_model` needs a reference copy, and LoRA has none (its reference is the base "
+                              "model with the adapters off): set `sync_ref_model: false`.")
     if recipe.model.use_peft and mem.sgd_in_backward:
-        raise RecipeError("`memory.sgd_in_backward` emulates full fine-tuning of one ZeRO-3 rank; a LoRA run needs "
-                          "no emulation (its optimizer state is the adapters'): set `memory.sgd_in_backward: false`.")
-    check_policy(mem.checkpointing)
-    check_family(recipe)
-    if recipe.parallelism.sp_size != 1:
+        problems.found.append("`memory.sgd_in_backward` emulates full fine-tuning of one ZeRO-3 rank; a LoRA run needs "
+                              "no emulation (its optimizer state is the adapters'): set `memory.sgd_in_backward: false`.")
+    with problems.check():
+        check_policy(mem.checkpointing)
+    if recipe.parallelism.sp_size != 1 and model_ok:
         from .modeling import load_architecture
 
         d = recipe.data
         evaluating = bool(d.eval_files or d.eval_split or any(isinstance(src, dict) and src.get("test_split")
                                                               for src in d.mixture or []))
-        check_sequence_parallel(recipe.parallelism.sp_size, world_size, load_architecture(recipe.model), t,
-                                recipe.model.attn_implementation, evaluating=evaluating)
+        with problems.check():
+            check_sequence_parallel(recipe.parallelism.sp_size, world_size, load_architecture(recipe.model), t,
+                                    recipe.model.attn_implementation, evaluating=evaluating)
     if mem.allocator_conf:
-        allocator.parse(mem.allocator_conf)
-    liger.check(t, cuda_available)
-    if recipe.run.on_nonfinite not in ("stop", "skip"):
-        raise RecipeError(f"`run.on_nonfinite` must be stop or skip, got {recipe.run.on_nonfinite!r}.")
-    if recipe.run.on_nonfinite == "skip" and mem.sgd_in_backward:
-        raise RecipeError("`run.on_nonfinite: skip` cannot skip updates that `memory.sgd_in_backward` applies inside "
-                          "backward; use `run.on_nonfinite: stop`.")
-    for name in recipe.run.save_on_signals:
-        if name not in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP"):
-            raise RecipeError(f"`run.save_on_signals`: {name!r} is not a signal a run can save on; use SIGUSR1, "
-                              "SIGUSR2, SIGTERM, SIGINT or SIGHUP.")
-    check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
+        with problems.check():
+            allocator.parse(mem.allocator_conf)
+    with problems.check():
+        liger.check(t, cuda_available)
+    with problems.check():
+        _check_run(recipe)
+    with problems.check():
+        check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
     for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps",
                 "profile_step"):
         if getattr(mem, key) < 0:
-            raise RecipeError(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
+            problems.found.append(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
+    with problems.check():
+        _check_trainer(recipe, world_size)
+    with problems.check():
+        _check_hardware(recipe, cuda_available)
+    problems.raise_if_any()
 
+
+def _check_run(recipe: Recipe) -> None:
+    run = recipe.run
+    if run.on_nonfinite not in ("stop", "skip"):
+        raise RecipeError(f"`run.on_nonfinite` must be stop or skip, got {run.on_nonfinite!r}.")
+    if run.on_nonfinite == "skip" and recipe.memory.sgd_in_backward:
+        raise RecipeError("`run.on_nonfinite: skip` cannot skip updates that `memory.sgd_in_backward` applies inside "
+                          "backward; use `run.on_nonfinite: stop`.")
+    for name in run.save_on_signals:
+        if name not in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP"):
+            raise RecipeError(f"`run.save_on_signals`: {name!r} is not a signal a run can save on; use SIGUSR1, "
+                              "SIGUSR2, SIGTERM, SIGINT or SIGHUP.")
+
+
+def _check_trainer(recipe: Recipe, world_size: int) -> None:
+    t, mem = recipe.trainer, recipe.memory
     for key in ("gradient_checkpointing", "activation_checkpointing"):
         if key in t:
             raise RecipeError(
@@ -115,29 +160,35 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         if t.get("gradient_accumulation_steps", 1) != 1:
             raise RecipeError("`memory.sgd_in_backward` updates inside backward, so it needs "
                               "`gradient_accumulation_steps: 1`.")
+    max_length = t.get("max_length", trainer_default("max_length"))
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+        raise RecipeError(f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got "
+                          f"{max_length!r}.")
 
+
+def _check_hardware(recipe: Recipe, cuda_available: bool) -> None:
+    """Precision, offloading and dtype against the machine; every one of them at once."""
+    t, mem, problems = recipe.trainer, recipe.memory, Problems()
     if t.get("bf16") and t.get("fp16"):
-        raise RecipeError("`bf16: true` and `fp16: true` are both set; keep one (bf16 on H100/H200).")
+        problems.found.append("`bf16: true` and `fp16: true` are both set; keep one (bf16 on H100/H200).")
     mixed = "bf16" if t.get("bf16") else "fp16" if t.get("fp16") else None
     if mixed and recipe.model.dtype in ("bfloat16", "float16") and recipe.model.dtype[0] != mixed[0]:
-        raise RecipeError(f"`model.dtype: {recipe.model.dtype}` with `{mixed}: true` mixes two 16-bit formats; set "
-                          f"`model.dtype: {'bfloat16' if mixed == 'bf16' else 'float16'}` or the other precision flag.")
+        problems.found.append(
+            f"`model.dtype: {recipe.model.dtype}` with `{mixed}: true` mixes two 16-bit formats; set "
+            f"`model.dtype: {'bfloat16' if mixed == 'bf16' else 'float16'}` or the other precision flag.")
     # Precision: DPOConfig defaults to bf16, which a CPU-only machine refuses.
     if not cuda_available and (t.get("bf16") or t.get("fp16")):
-        raise RecipeError("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")
+        problems.found.append("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")
     if not mem.offload_pin_memory and not t.get("activation_offloading"):
-        raise RecipeError("`memory.offload_pin_memory: false` only changes TRL's activation offloading; set "
-                          "`activation_offloading: true` too, or drop it.")
+        problems.found.append("`memory.offload_pin_memory: false` only changes TRL's activation offloading; set "
+                              "`activation_offloading: true` too, or drop it.")
     if not cuda_available and t.get("activation_offloading"):
-        raise RecipeError("TRL's activation offloading moves activations to pinned host memory from a GPU; on a "
-                          "CPU-only machine set `activation_offloading: false`.")
+        problems.found.append("TRL's activation offloading moves activations to pinned host memory from a GPU; on a "
+                              "CPU-only machine set `activation_offloading: false`.")
     if not cuda_available and recipe.model.dtype != "float32":
-        raise RecipeError(f"`model.dtype: {recipe.model.dtype}` on a CPU-only machine: set `model.dtype: float32`.")
-
-    max_length = t.get("max_length", 1024)
-    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
-        raise RecipeError(f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got {max_length!r}.")
-
+        problems.found.append(f"`model.dtype: {recipe.model.dtype}` on a CPU-only machine: set `model.dtype: "
+                              "float32`.")
+    problems.raise_if_any()
 
 
 def check_processes_per_gpu(processes_on_node: int, gpus: int) -> None:

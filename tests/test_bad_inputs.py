@@ -147,13 +147,15 @@ def test_bad_data_files(tmp_path, text, message):
 
 
 def test_entrypoint_error_exits_2_with_one_line_and_loses_nothing(tmp_path):
-    """All pairs dropped by max_length: found after tokenization, still before training; the output dir a user
-    pointed at keeps what it had and gains nothing."""
+    """All pairs dropped by max_length: found from the prompts' token counts before any model is loaded (TRL's
+    tokenization of the dataset comes after the models); the output dir a user pointed at keeps what it had and
+    gains nothing."""
     (tmp_path / "precious.txt").write_text("keep me")
     proc = run_train(tmp_path, "--max_length", "5", check=False)
     assert proc.returncode == 2
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Raise `max_length`" in errors[0]
+    assert len(errors) == 1 and "All 64 pairs would be dropped" in errors[0] and "Raise `max_length`" in errors[0]
+    assert "Tokenizing train dataset" not in proc.stdout
     assert "Traceback" not in proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["precious.txt"]
     assert (tmp_path / "precious.txt").read_text() == "keep me"
@@ -246,3 +248,60 @@ def test_under_the_deepspeed_launcher_an_error_is_said_once(tmp_path):
     proc = run_train(tmp_path / "out", "--model.lora_r", "8", launcher="deepspeed", procs=2, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stdout
     assert proc.stdout.count("error: `model.lora_r` is set but LoRA is off") == 1
+
+
+def test_a_12b_recipe_on_a_cpu_machine_says_every_problem_at_once(tmp_path):
+    """Four settings a CPU cannot run and a model no 24 GB machine holds: one run, one line each, before any model
+    is loaded (it was four runs of one error each, then 77 s of silence and the kernel's OOM kill)."""
+    import psutil
+
+    recipe = os.path.join(ROOT, "recipes", "nemotron12b", "dpo_12k.yaml")
+    proc = run_train(tmp_path / "out", recipe=recipe, check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout
+    for key in ("use_liger_kernel: false", "bf16: false", "activation_offloading: false", "model.dtype: float32"):
+        assert sum(key in e for e in errors) == 1, (key, errors)
+    # 12.2 B parameters: policy, reference, gradients and optimizer state are over 100 GB at 16 bits
+    if psutil.virtual_memory().available < 100e9:
+        assert sum("no GPU, so the model" in e for e in errors) == 1, errors
+    assert len(errors) <= 5 and not os.path.exists(tmp_path / "out")
+
+
+def test_no_gpu_memory_check_keeps_to_what_the_machine_has(tmp_path):
+    """The host-memory verdict on a CPU machine, from the planner's plan: the tiny model fits anywhere; a need
+    above what is free is one line naming the fix, whatever this machine's size."""
+    import psutil
+
+    from recipes import planner
+
+    tiny = planner.plan(load_recipe(TINY), 1, None)
+    assert planner.cpu_memory_gb(tiny, 1) < 1
+    assert planner.cpu_memory_gb(tiny, 2) == pytest.approx(2 * tiny.peak_allocated_gb + tiny.host_per_node_gb)
+    free = psutil.virtual_memory().available / 1e9
+    big = load_recipe(TINY, parse_overrides(["--max_length", str(int(free * 1e9 / 8))]))  # activations past `free`
+    assert planner.cpu_memory_gb(planner.plan(big, 1, None), 1) > free
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_prompt_tokens_are_counted_as_trl_drops_pairs(conversational):
+    """For every shipped pair, our count agrees with TRL's tokenization in a real DPOTrainer (its prompt_ids),
+    so the early all-dropped check and TRL's filter cannot disagree."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    from recipes.config import ModelArgs
+    from recipes.data import load_preferences, prompt_tokens
+    from recipes.modeling import build_byte_tokenizer, build_model
+
+    raw = load_preferences([os.path.join(ROOT, "recipes", "data", "arithmetic_preferences.jsonl")])
+    if conversational:  # the same pairs as messages, through the tokenizer's chat template
+        raw = raw.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}],
+                                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                                 "rejected": [{"role": "assistant", "content": r["rejected"]}]})
+    tok = build_byte_tokenizer()
+    model, ref = (build_model(ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte",
+                                        dtype="float32")) for _ in range(2))
+    args = DPOConfig(output_dir="/tmp/unused", report_to="none", max_length=None, bf16=False, use_cpu=True)
+    trl = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=raw, processing_class=tok).train_dataset
+    assert isinstance(trl, datasets.Dataset) and len(trl) == len(raw)
+    assert [prompt_tokens(tok, row) for row in raw] == [len(ids) for ids in trl["prompt_ids"]]
