@@ -11,7 +11,9 @@
 
 Any `--key value` overrides the recipe (`--max_steps 10`, `--memory.checkpointing attn_mlp`).
 `--resume_from_checkpoint <dir|true|auto>` continues a run from a complete checkpoint (true: the newest; auto: the
-newest if there is one, else from step 0); `--no_final_save` skips saving the final model.
+newest if there is one, else from step 0); `--overwrite_output_dir` deletes an earlier run's checkpoints and records
+in output_dir first (a used output_dir is refused otherwise); `--no_final_save` skips saving the final model;
+`--skip-preflight` runs even when the planner predicts it will not fit.
 Exit status: 0 done, 2 a recipe or command-line problem, 3 out of GPU memory, 4 a non-finite loss or gradient norm,
 75 saved and stopped on a signal (preemption: resume with `--resume_from_checkpoint auto`).
 """
@@ -358,10 +360,12 @@ def write_summary(trainer, result, recipe, args, report, dp_size, guard, wrapped
 EXIT_PREEMPTED = 75  # saved and stopped on a signal (recipes/resilience.py); the SLURM example requeues on it
 
 
-HELP = __doc__ + """
-Recipe keys: the top level takes every trl.DPOConfig field; the sections are documented field by field in
-recipes/config.py: model: (ModelArgs), data: (DataArgs), memory: (MemoryArgs), parallelism: (ParallelismArgs),
-run: (RunArgs). Shipped recipes: recipes/tiny_mistral/, recipes/nemotron12b/. Will it fit: launch/plan_memory.py.
+HELP_KEYS = """
+Recipe keys. The top level takes every field of TRL's DPOConfig (learning_rate, beta, loss_type, max_length,
+per_device_train_batch_size, ...: https://huggingface.co/docs/trl/dpo_trainer); the sections are ours:"""
+HELP_END = """
+Shipped recipes: recipes/*/ (tiny_mistral, nemotron12b, llama3_8b, qwen2_5_14b, qwen3_14b). Will it fit:
+python launch/plan_memory.py --recipe <yaml> --gpus 8 --gpu-memory 80GB.
 """
 
 
@@ -528,7 +532,9 @@ def run() -> int:
         try:
             summary = main()
         except HelpRequested:
-            print(HELP)
+            from recipes.config import describe_keys
+
+            print(__doc__ + HELP_KEYS + describe_keys() + "\n" + HELP_END)
             return 0
         if dist := _distributed():
             dist.barrier()  # no rank tears the process group down while another still uses it

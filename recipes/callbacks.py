@@ -233,12 +233,17 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
 
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     conf = records[-1].get("allocator_conf") or "default"
-    table = (
-        "| Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Step Time (s) | Tokens/s |\n"
-        "|---|---|---|---|---|---|\n"
-        f"| allocator {conf} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
-        f"{fmt('frag_gap_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n"
-    )
+    if any(r.get("peak_allocated_gb") is not None for r in records):
+        table = (
+            "| Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Step Time (s) | Tokens/s |\n"
+            "|---|---|---|---|---|---|\n"
+            f"| allocator {conf} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
+            f"{fmt('frag_gap_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n"
+        )
+    else:  # a CPU run: no GPU memory to report, so what there is
+        table = ("No GPU on this machine: GPU memory is not measured; host memory and time are.\n\n"
+                 "| Host RSS (GB) | Step Time (s) | Tokens/s |\n|---|---|---|\n"
+                 f"| {fmt('host_rss_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n")
     path = os.path.join(output_dir, "memory_summary.md")
     with open(path, "w") as f:
         f.write(f"Steady state over steps {steady[0]['step']}..{steady[-1]['step']} (max memory, median time).\n\n")
@@ -248,39 +253,46 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
 
 
 def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
-    """One picture of the run: the DPO loss, reward margin and accuracy per step (left) and memory per step (right:
-    GPU peak allocated / reserved where there is a GPU, host RSS), both memory axes from 0."""
+    """One picture of the run, each quantity on an axis it can be read on: the DPO loss (with ln 2, where policy =
+    reference), the reward margin, the reward accuracy (0 to 1) and memory per step (GPU peak allocated / reserved
+    where there is a GPU, host RSS; from 0). Markers only on short runs, where they show the steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (train, mem) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    (loss, margin), (accuracy, mem) = axes
     logs = [h for h in log_history if "loss" in h and "step" in h]
-    if logs:
-        steps = [h["step"] for h in logs]
-        train.plot(steps, [h["loss"] for h in logs], marker="o", color="tab:blue", label="DPO loss")
-        if all("rewards/margins" in h for h in logs):
-            train.plot(steps, [h["rewards/margins"] for h in logs], marker="s", color="tab:green", label="reward margin")
-        if all("rewards/accuracies" in h for h in logs):
-            train.plot(steps, [h["rewards/accuracies"] for h in logs], marker="^", color="tab:orange",
-                       label="reward accuracy")
-        train.axhline(0.6931, color="grey", linestyle=":", linewidth=1, label="ln 2 (policy = reference)")
-        train.legend(fontsize=8)
-    train.set_xlabel("optimizer step")
-    train.set_title("Training")
+    steps = [h["step"] for h in logs]
+    style = {"marker": "o", "markersize": 3} if len(logs) <= 30 else {}
+    loss.plot(steps, [h["loss"] for h in logs], color="tab:blue", **style)
+    loss.axhline(0.6931, color="grey", linestyle=":", linewidth=1, label="ln 2 (policy = reference)")
+    loss.set_title("DPO loss")
+    loss.legend(fontsize=8)
+    for ax, key, color, title in ((margin, "rewards/margins", "tab:green", "reward margin (chosen - rejected)"),
+                                  (accuracy, "rewards/accuracies", "tab:orange", "reward accuracy")):
+        if logs and all(key in h for h in logs):
+            ax.plot(steps, [h[key] for h in logs], color=color, **style)
+        ax.set_title(title)
+    margin.axhline(0, color="grey", linewidth=0.5)
+    accuracy.set_ylim(-0.02, 1.02)
     steps = [r["step"] for r in records]
+    style = {"marker": "o", "markersize": 3} if len(records) <= 30 else {}
     if any(r.get("peak_allocated_gb") is not None for r in records):
-        mem.plot(steps, [r["peak_allocated_gb"] for r in records], marker="o", color="tab:red", label="GPU peak allocated")
-        mem.plot(steps, [r["peak_reserved_gb"] for r in records], marker="s", color="tab:purple",
-                 label="GPU peak reserved")
-    mem.plot(steps, [r["host_rss_gb"] for r in records], marker="^", color="tab:brown", label="host RSS")
+        mem.plot(steps, [r["peak_allocated_gb"] for r in records], color="tab:red", label="GPU peak allocated", **style)
+        mem.plot(steps, [r["peak_reserved_gb"] for r in records], color="tab:purple", label="GPU peak reserved",
+                 **style)
+        mem.set_title("Memory per step")
+    else:
+        mem.set_title("Memory per step (no GPU: host memory only)")
+    mem.plot(steps, [r["host_rss_gb"] for r in records], color="tab:brown", label="host RSS", **style)
     mem.set_ylim(bottom=0, top=max(1e-3, *(v for r in records for v in (r.get("peak_reserved_gb"), r["host_rss_gb"])
                                           if v is not None)) * 1.15)
-    mem.set_xlabel("optimizer step")
     mem.set_ylabel("GB (max over ranks)")
-    mem.set_title("Memory per step")
     mem.legend(fontsize=8, loc="lower right")
+    for ax in axes.flat:
+        ax.set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

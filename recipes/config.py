@@ -395,6 +395,21 @@ def quiet_deprecated_checkpointing_calls() -> None:
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
 
 
+def describe_keys() -> str:
+    """Every key of our sections with its documentation, from the dataclasses' docstrings (`--help`)."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        lines.append(f"\n{section}:  ({cls.__doc__.strip().splitlines()[0]})")
+        for line in cls.__doc__.splitlines():
+            name = line.strip().split(" (")[0]
+            if line.startswith("    ") and not line.startswith("        ") and name in fields:
+                lines.append(f"  {section}.{line.strip()}")
+            elif line.startswith("        ") and lines[-1].startswith(f"  {section}."):
+                lines[-1] += " " + line.strip()
+    return "\n".join(lines)
+
+
 class HelpRequested(Exception):
     """`--help`: print the usage and exit 0."""
 

@@ -109,8 +109,16 @@ def test_help_prints_the_usage_and_exits_0():
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0 and proc.stderr == ""
     for text in ("deepspeed --num_gpus 8 launch/train_dpo.py", "accelerate launch", "--resume_from_checkpoint",
-                 "Exit status", "recipes/config.py"):
+                 "--overwrite_output_dir", "Exit status", "DPOConfig"):
         assert text in proc.stdout, text
+    import dataclasses
+
+    from recipes.config import SECTIONS
+
+    for section, cls in SECTIONS.items():  # every key of ours, with its one-line documentation
+        for f in dataclasses.fields(cls):
+            line = next((x for x in proc.stdout.splitlines() if x.startswith(f"  {section}.{f.name} (")), "")
+            assert "): " in line, f"{section}.{f.name}"
 
 
 def test_invalid_deepspeed_json(tmp_path):

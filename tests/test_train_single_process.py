@@ -39,10 +39,41 @@ def test_tensorboard_events_and_memory_telemetry_written(quickstart):
         assert r["step_time_s"] > 0 and r["tokens"] > 0 and r["host_rss_gb"] > 0
         assert r["peak_allocated_gb"] is None  # no GPU here: GPU fields are null, not zero
     assert summary(out)["measured_reserved_gb"] is None
-    table = open(os.path.join(out, "memory_summary.md")).read()
-    assert "Peak Allocated (GB)" in table and "Step Time (s)" in table
+    table = open(os.path.join(out, "memory_summary.md")).read()  # on CPU: says so, and shows what is measured
+    assert "GPU memory is not measured" in table and "| Host RSS (GB) | Step Time (s) | Tokens/s |" in table
+    assert "n/a" not in table
     png = open(os.path.join(out, "memory.png"), "rb").read()
-    assert len(png) > 1000 and png[16:24] == (1100).to_bytes(4, "big") + (400).to_bytes(4, "big")  # two panels
+    assert len(png) > 1000 and png[16:24] == (1100).to_bytes(4, "big") + (700).to_bytes(4, "big")  # 2 x 2 panels
+
+
+def test_memory_plot_gives_each_quantity_its_own_axis(tmp_path):
+    """A long run: the reward margin (~14) does not flatten the loss and the accuracy; the accuracy reads 0 to 1;
+    no markers past 30 steps; with a GPU the table has the GPU columns."""
+    from recipes.callbacks import write_summary
+
+    records = [{"step": i, "peak_allocated_gb": 60.0, "peak_reserved_gb": 70.0, "frag_gap_gb": 10.0,
+                "step_time_s": 1.0, "tokens_per_s": 100.0, "host_rss_gb": 5.0} for i in range(1, 573)]
+    logs = [{"step": i, "loss": 0.69 / i, "rewards/margins": 14 * i / 572, "rewards/accuracies": min(1, i / 100)}
+            for i in range(1, 573)]
+    import matplotlib.pyplot as plt
+
+    made = []
+    real_savefig = plt.Figure.savefig
+
+    def keep(fig, *a, **k):
+        made.append(fig)
+        return real_savefig(fig, *a, **k)
+
+    plt.Figure.savefig = keep
+    try:
+        write_summary(records, str(tmp_path), logs)
+    finally:
+        plt.Figure.savefig = real_savefig
+    (loss, margin, accuracy, memory) = made[0].axes
+    assert loss.get_ylim()[1] < 1 and margin.get_ylim()[1] > 13 and accuracy.get_ylim() == (-0.02, 1.02)
+    assert memory.get_ylim()[0] == 0 and memory.get_ylim()[1] >= 70
+    assert all(line.get_marker() in ("None", None, "") for ax in made[0].axes for line in ax.get_lines())
+    assert "| Peak Allocated (GB) | Peak Reserved (GB) |" in (tmp_path / "memory_summary.md").read_text()
 
 
 def test_length_report_logged(quickstart):
