@@ -203,7 +203,7 @@ def load_data(recipe, is_main: bool):
 def build_models(recipe, args, liger_config, memory_callback, guard):
     """Step 5: the policy (Liger's kernels, then our patches) and the reference (an identical copy for random-init
     runs; none for LoRA, whose reference is the base with the adapters off)."""
-    from recipes import liger
+    from recipes import liger, padding_mask
     from recipes.checkpointing import apply_memory_patches
     from recipes.emulation import parameter_bytes, sgd_in_backward
     from recipes.modeling import build_model
@@ -224,6 +224,12 @@ def build_models(recipe, args, liger_config, memory_callback, guard):
         callbacks.append(profiling.ProfileCallback(memory.profile_step))
     wrapped = apply_memory_patches(model, memory.checkpointing, memory.tiled_mlp, memory.mlp_chunks,
                                    memory.lean_norm, label=label)
+    drop_mask, line = padding_mask.decide(memory.padding_mask, model.config)
+    if drop_mask:
+        padding_mask.install(model)
+        padding_mask.install(ref_model)
+    if args.process_index == 0:
+        logger.info(line)
     wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, in train()
     wrapped["liger"] = int(liger_config is not None)
     sp = None

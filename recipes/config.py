@@ -161,6 +161,9 @@ class MemoryArgs:
         backward and free its gradient at once (what a ZeRO-3 rank keeps); see recipes/emulation.py.
     memory_cap_gb (float, defaults to None): cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction),
         e.g. 80 to emulate an 80 GB H100 on a larger GPU.
+    padding_mask (str, defaults to "auto"): `auto` runs right-padded batches without an attention mask, where causal
+        attention already keeps every real token from the padding after it (the same loss and gradients, on the
+        fast causal kernel; recipes/padding_mask.py); `keep` passes TRL's padding mask to the model.
     """
 
     checkpointing: str = "layer"
@@ -177,6 +180,7 @@ class MemoryArgs:
     telemetry: bool = True
     sgd_in_backward: bool = False
     memory_cap_gb: float | None = None
+    padding_mask: str = "auto"
 
 
 @dataclass

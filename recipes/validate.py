@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from . import allocator, liger
+from . import allocator, liger, padding_mask
 from .checkpointing import check_mlp_split, check_policy
 from .config import Recipe, RecipeError, resolve_path, trainer_default
 from .data import check_data_args
@@ -113,6 +113,8 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         _check_run(recipe)
     with problems.check():
         check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
+    with problems.check():
+        padding_mask.check(mem.padding_mask)
     for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps",
                 "profile_step"):
         if getattr(mem, key) < 0:

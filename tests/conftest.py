@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests never reach the Hub: a Hub id resolves from a cache a test lays out, or fails at once.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, ROOT)
+from recipes.config import ModelArgs  # noqa: E402
 from recipes.distributed import run_job  # noqa: E402  (a timed-out launch leaves no rank behind)
 
 BIN = os.path.dirname(sys.executable)
@@ -79,6 +80,64 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return str(path)
+
+
+# ---- numerics: one real TRL DPO batch per supported family, and a policy's loss and gradients on it ----------------
+
+TINY_ARGS = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
+# the supported families, each built in code with its tokenizer (Qwen2.5's tiny model ties its embeddings)
+FAMILIES = {name: ModelArgs(architecture=f"recipes/architectures/tiny_{name}.json", tokenizer=tok, dtype="float32")
+            for name, tok in (("mistral", "byte-mistral"), ("llama3", "byte-llama3"), ("qwen2_5", "byte-chatml"),
+                              ("qwen3", "byte-chatml"))}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return FAMILIES[request.param]
+
+
+@pytest.fixture(scope="module")
+def dpo_batch(family):
+    """One real TRL DPO batch (chosen + rejected, padded, with completion mask) from the shipped data."""
+    from trl import DPOConfig, DPOTrainer
+
+    from recipes.data import load_preferences
+    from recipes.modeling import build_byte_tokenizer, build_model
+
+    args = DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, per_device_train_batch_size=4,
+                     max_length=128, gradient_checkpointing=False)
+    trainer = DPOTrainer(model=build_model(family), ref_model=build_model(family), args=args,
+                         train_dataset=load_preferences(["recipes/data/arithmetic_preferences.jsonl"]),
+                         processing_class=build_byte_tokenizer(family.tokenizer))
+    return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader()))), family
+
+
+def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean: bool = False,
+                   reentrant: bool = False, drop_mask: bool = False):
+    """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1).
+    `drop_mask`: right padding's attention mask dropped (recipes/padding_mask.py) on both."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from recipes import padding_mask
+    from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
+    from recipes.modeling import build_model
+
+    trainer, inputs, args = dpo_batch
+    model = build_model(args)
+    if uses_transformers_layer_checkpointing(policy):
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    trainer.ref_model = build_model(ModelArgs(**{**args.__dict__, "init_seed": 1}))
+    add_fused_lm_head(trainer.ref_model)
+    if drop_mask:
+        padding_mask.install(model)
+        padding_mask.install(trainer.ref_model)
+    model.train()
+    trainer.model = model
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    return model, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, wrapped
 
 
 @pytest.fixture

@@ -3,56 +3,12 @@
 import pytest
 import torch
 
+from conftest import loss_and_grads
+from conftest import TINY_ARGS as TINY
+
 from recipes.checkpointing import INNER, POLICIES, apply_memory_patches, uses_transformers_layer_checkpointing
 from recipes.config import ModelArgs, RecipeError
-from recipes.modeling import build_byte_tokenizer, build_model
-
-TINY = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
-# the supported families, each built in code with its tokenizer (Qwen2.5's tiny model ties its embeddings)
-FAMILIES = {name: ModelArgs(architecture=f"recipes/architectures/tiny_{name}.json", tokenizer=tok, dtype="float32")
-            for name, tok in (("mistral", "byte-mistral"), ("llama3", "byte-llama3"), ("qwen2_5", "byte-chatml"),
-                              ("qwen3", "byte-chatml"))}
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request):
-    return FAMILIES[request.param]
-
-
-@pytest.fixture(scope="module")
-def dpo_batch(family):
-    """One real TRL DPO batch (chosen + rejected, padded, with completion mask) from the shipped data."""
-    from trl import DPOConfig, DPOTrainer
-
-    from recipes.data import load_preferences
-
-    args = DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, per_device_train_batch_size=4,
-                     max_length=128, gradient_checkpointing=False)
-    trainer = DPOTrainer(model=build_model(family), ref_model=build_model(family), args=args,
-                         train_dataset=load_preferences(["recipes/data/arithmetic_preferences.jsonl"]),
-                         processing_class=build_byte_tokenizer(family.tokenizer))
-    return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader()))), family
-
-
-def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean: bool = False,
-                   reentrant: bool = False):
-    """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1)."""
-    from trl.trainer.utils import add_fused_lm_head
-
-    trainer, inputs, args = dpo_batch
-    model = build_model(args)
-    if uses_transformers_layer_checkpointing(policy):
-        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
-    wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
-    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-    trainer.ref_model = build_model(ModelArgs(**{**args.__dict__, "init_seed": 1}))
-    add_fused_lm_head(trainer.ref_model)
-    model.train()
-    trainer.model = model
-    loss = trainer.compute_loss(model, inputs)
-    loss.backward()
-    return model, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, wrapped
-
+from recipes.modeling import build_model
 
 @pytest.fixture(scope="module")
 def reference(dpo_batch):
