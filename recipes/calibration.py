@@ -73,7 +73,8 @@ def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.js
         if "merged_from" in data["environment"]:  # bench_memory.py --merge: copies of rows already read
             continue
         for row in data["results"]:
-            if row.get("peak_allocated_gb") is not None:
+            # the planner plans two sequences of max_length: it is fitted on pairs of that shape only
+            if row.get("peak_allocated_gb") is not None and row.get("workload", "equal") == "equal":
                 yield data["environment"], row, os.path.relpath(path, ROOT)
     if os.path.exists(ACCEPTANCE_RUNS):
         with open(ACCEPTANCE_RUNS) as f:
@@ -81,8 +82,8 @@ def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.js
         # the shipped recipes as that run read them (they change later): kept beside the runs, per commit
         kept = os.path.join(os.path.dirname(ACCEPTANCE_RUNS), f"recipes_{data['environment']['commit']}")
         for name, run in data["runs"].items():
-            if run["rc"] != 0 or not run["records"]:
-                continue
+            if run["rc"] != 0 or not run["records"] or any("rejected_tokens" in a for a in run["argv"]):
+                continue  # (unequal pairs: shorter than the planner's two sequences of max_length)
             argv = [os.path.relpath(os.path.join(kept, os.path.basename(a)), ROOT)
                     if a.startswith("recipes/nemotron12b/") and os.path.isdir(kept) else a for a in run["argv"]]
             s = setup_from_argv(argv)

@@ -28,12 +28,16 @@ def check_data_args(args: DataArgs) -> None:
     if isinstance(args.eval_files, str):
         args.eval_files = [args.eval_files]
     if args.synthetic is not None:
-        keys = {"pairs", "seq_tokens", "prompt_tokens"}
-        if not isinstance(args.synthetic, dict) or set(args.synthetic) != keys:
-            raise RecipeError(f"`data.synthetic` must be a mapping with exactly the keys {sorted(keys)}.")
+        keys, optional = {"pairs", "seq_tokens", "prompt_tokens"}, {"rejected_tokens"}
+        if not isinstance(args.synthetic, dict) or not keys <= set(args.synthetic) <= keys | optional:
+            raise RecipeError(f"`data.synthetic` must be a mapping with the keys {sorted(keys)} (and optionally "
+                              "rejected_tokens).")
         s = args.synthetic
         if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
             raise RecipeError("`data.synthetic` needs pairs >= 1 and 0 < prompt_tokens < seq_tokens - 1.")
+        if not 2 <= s.get("rejected_tokens", 2) <= s["seq_tokens"] - s["prompt_tokens"]:
+            raise RecipeError("`data.synthetic.rejected_tokens` (the rejected completion, EOS included) must be "
+                              "between 2 and seq_tokens - prompt_tokens (the chosen completion's length).")
     given = [k for k, on in (("train_files", args.train_files), ("dataset_name", args.dataset_name),
                              ("mixture", args.mixture), ("synthetic", args.synthetic is not None)) if on]
     if len(given) > 1:
@@ -361,21 +365,44 @@ def truncation_warning(report: dict) -> str | None:
             "`max_length` unless this is intended.")
 
 
-def synthetic_pairs(pairs: int, seq_tokens: int, prompt_tokens: int, seed: int = 0) -> list[dict]:
-    """Standard-format pairs whose prompt + completion is exactly `seq_tokens` with the byte tokenizer.
+def synthetic_pairs(pairs: int, seq_tokens: int, prompt_tokens: int, rejected_tokens: int | None = None,
+                    seed: int = 0) -> list[dict]:
+    """Standard-format pairs for the byte tokenizer: prompt + chosen is exactly `seq_tokens` (what max_length
+    measures), the rejected completion `rejected_tokens` (EOS included; default: as long as the chosen one).
 
     One ASCII letter is one token; TRL appends EOS to each completion, so a completion text has one letter less."""
     if not 0 < prompt_tokens < seq_tokens - 1:
         raise RecipeError(f"prompt tokens ({prompt_tokens}) must be between 1 and sequence tokens - 2 ({seq_tokens}).")
     rng = random.Random(seed)
     letters = string.ascii_lowercase
-    completion = seq_tokens - prompt_tokens - 1
+    chosen = seq_tokens - prompt_tokens
+    rejected = chosen if rejected_tokens is None else rejected_tokens
 
     def text(k: int) -> str:
         return "".join(rng.choice(letters) for _ in range(k))
 
-    return [{"prompt": text(prompt_tokens), "chosen": text(completion), "rejected": text(completion)}
+    return [{"prompt": text(prompt_tokens), "chosen": text(chosen - 1), "rejected": text(rejected - 1)}
             for _ in range(pairs)]
+
+
+# The shapes of preference data the benchmarks run, for a sequence (prompt + the longer completion) of L tokens:
+#   equal        prompt min(1024, L/4), both completions the rest (the shape of every figure before these existed)
+#   unequal      the same prompt, the rejected completion 10% shorter than the chosen (real pairs differ in length)
+#   long-prompt  prompt 90% of L (a long document or conversation), the chosen completion the other 10%, the
+#                rejected one 10% shorter than that
+WORKLOADS = ("equal", "unequal", "long-prompt")
+
+
+def workload(name: str, seq_tokens: int, pairs: int, prompt_tokens: int = 1024) -> dict:
+    """`data.synthetic` for a named workload (`prompt_tokens`: the short prompt of equal / unequal)."""
+    if name not in WORKLOADS:
+        raise RecipeError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}.")
+    prompt = round(0.9 * seq_tokens) if name == "long-prompt" else max(1, min(prompt_tokens, seq_tokens // 4))
+    chosen = seq_tokens - prompt
+    spec = {"pairs": pairs, "seq_tokens": seq_tokens, "prompt_tokens": prompt}
+    if name != "equal":
+        spec["rejected_tokens"] = max(2, round(0.9 * chosen))
+    return spec
 
 
 def write_jsonl(rows: list[dict], path: str) -> None:

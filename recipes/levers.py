@@ -83,3 +83,9 @@ for _n in (2, 3, 8):
                                                         "memory.mlp_chunks": str(_n)}
     CONFIGS[f"layer+lean+liger+chunked{_n}+head+offload"] = {**CONFIGS[f"layer+liger+chunked{_n}+head+offload"],
                                                              "memory.lean_norm": "true"}
+# The library-only configurations are TRL as it comes: its padding mask reaches the attention (ours drop it where
+# causal attention already excludes the padding, recipes/padding_mask.py). Set last, so that no configuration of
+# ours inherits it.
+BASE["memory.padding_mask"] = "auto"
+for _name in ("stock", "stock+offload", "stock+liger", "stock+offload+liger"):
+    CONFIGS[_name] = {**CONFIGS[_name], "memory.padding_mask": "keep"}

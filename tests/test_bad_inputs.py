@@ -37,7 +37,7 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
     (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
     (["--data.train_files", "[]"], "No training data"),
-    (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "exactly the keys"),
+    (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "must be a mapping with the keys"),
     (["--model.name_or_path", "some/dir"], "Set exactly one of `model.name_or_path`"),
     (["--model.architecture", "null", "--model.name_or_path", "org/model"], "'org/model' is not a local directory and could not be loaded"),
     (["--model.architecture", "null", "--model.name_or_path", "./no/such/dir"], "neither a local directory nor a Hugging Face Hub id"),

@@ -50,15 +50,21 @@ def test_synthetic_pairs_have_exact_token_lengths():
     from recipes.config import ModelArgs
     from recipes.modeling import build_byte_tokenizer, build_model
 
-    rows = synthetic_pairs(pairs=3, seq_tokens=300, prompt_tokens=40)
+    from recipes.data import WORKLOADS, workload
+
     model_args = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
-    trainer = DPOTrainer(model=build_model(model_args), ref_model=build_model(model_args),
-                         args=DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, max_length=300),
-                         train_dataset=datasets.Dataset.from_list(rows), processing_class=build_byte_tokenizer())
-    for ex in trainer.train_dataset:
-        assert len(ex["prompt_ids"]) == 40
-        assert len(ex["prompt_ids"]) + len(ex["chosen_ids"]) == 300
-        assert len(ex["prompt_ids"]) + len(ex["rejected_ids"]) == 300
+    # (prompt, chosen completion, rejected completion) in tokens, EOS included, for a 300-token sequence
+    expected = {"equal": (75, 225, 225), "unequal": (75, 225, 202), "long-prompt": (270, 30, 27)}
+    assert set(expected) == set(WORKLOADS)
+    for name, (prompt, chosen, rejected) in expected.items():
+        rows = synthetic_pairs(**workload(name, 300, pairs=3))
+        trainer = DPOTrainer(model=build_model(model_args), ref_model=build_model(model_args),
+                             args=DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, max_length=300),
+                             train_dataset=datasets.Dataset.from_list(rows), processing_class=build_byte_tokenizer())
+        for ex in trainer.train_dataset:
+            got = (len(ex["prompt_ids"]), len(ex["chosen_ids"]), len(ex["rejected_ids"]))
+            assert got == (prompt, chosen, rejected), name
+    assert workload("unequal", 32768, 8)["prompt_tokens"] == 1024  # the short prompt stops at 1024 tokens
 
 
 # ---- Hub-style datasets, column mapping, mixtures (local stand-ins; the same load_dataset call as a Hub id) --------

@@ -80,7 +80,12 @@ def test_bench_command_layers_configuration_over_neutral_base():
     assert flags["--activation_offloading"] == "true" and flags["--memory.allocator_conf"] == "null"
     assert flags["--max_length"] == "4096" and flags["--model.num_hidden_layers"] == "4"
     assert flags["--memory.sgd_in_backward"] == "true" and flags["--memory.memory_cap_gb"] == "80.0"
-    assert json.loads(flags["--data.synthetic"])["seq_tokens"] == 4096
+    assert json.loads(flags["--data.synthetic"]) == {"pairs": 32, "seq_tokens": 4096, "prompt_tokens": 1024}
+    assert flags["--memory.padding_mask"] == "auto"
+    long = dict(zip(*[iter(build_command(args, "stock+offload", 4096, "/tmp/x/run", "long-prompt")[2:-1])] * 2))
+    assert json.loads(long["--data.synthetic"]) == {"pairs": 32, "seq_tokens": 4096, "prompt_tokens": 3686,
+                                                    "rejected_tokens": 369}
+    assert long["--memory.padding_mask"] == "keep"  # the library-only setups pass TRL's mask
     z3 = parse_args(["--out", "/tmp/x", "--gpus", "8"])
     cmd = build_command(z3, "stock", 12288, "/tmp/x/run")
     assert os.path.basename(cmd[0]) == "deepspeed" and cmd[1:3] == ["--num_gpus", "8"]
@@ -101,10 +106,10 @@ def test_bench_summary_and_table():
     assert s["step_time_s"] == 7.0 and s["steps_measured"] == 2
     profiled = summarise([{**r, "step": i + 1} for i, r in enumerate(records)], profiled_step=3)
     assert profiled["step_time_s"] == 6.0 and profiled["steps_measured"] == 1  # the profiled step is not timed
-    table = render_table([{"config": "ours", "seq_tokens": 12288, "rc": 0, "oom": False, **s},
+    table = render_table([{"config": "ours", "seq_tokens": 12288, "workload": "unequal", "rc": 0, "oom": False, **s},
                           {"config": "stock", "seq_tokens": 65536, "rc": 1, "oom": True}])
-    assert "| 12288 | ours | 62.00 | 13.00 | 70.00 |" in table
-    assert "| 65536 | stock | OOM |" in table
+    assert "| 12288 | unequal | ours | 62.00 | 13.00 | 70.00 |" in table
+    assert "| 65536 | equal | stock | OOM |" in table  # rows from before workloads were named ran equal pairs
 
 
 def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
@@ -217,7 +222,7 @@ def test_merge_of_committed_results(tmp_path):
     assert by_key[("stock+offload", 65536)]["source"].startswith("results/gpu_2026-12-02_s2_32k_64k")
     assert all(r.get("weights_gb") is None or r["weights_gb"] > 40 for r in rows)  # no 4-layer ZeRO-3 rows
     table = open(tmp_path / "results.md").read()
-    assert "| 12288 | attn_mlp | OOM |" in table and table.count("\n") == len(rows) + 2
+    assert "| 12288 | equal | attn_mlp | OOM |" in table and table.count("\n") == len(rows) + 2
     assert os.path.getsize(tmp_path / "memory_vs_length.png") > 1000
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_memory.py"), "--out", str(tmp_path),
                            "--merge", "missing.json"], capture_output=True, text=True, cwd=ROOT)

@@ -36,14 +36,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from recipes.calibration import setup_from_result  # noqa: E402
+from recipes.data import WORKLOADS, workload  # noqa: E402
 from recipes.distributed import run_job  # noqa: E402
 from recipes.levers import BASE, CONFIGS, add_setup_arguments  # noqa: E402
 
 
-def build_command(args, name: str, seq: int, out_dir: str) -> list[str]:
+def build_command(args, name: str, seq: int, out_dir: str, shape: str = "equal") -> list[str]:
     overrides = {**BASE, **CONFIGS[name],
-                 "data.synthetic": json.dumps({"pairs": 8 * args.steps, "seq_tokens": seq,
-                                               "prompt_tokens": max(1, min(args.prompt_tokens, seq // 4))}),
+                 "data.synthetic": json.dumps(workload(shape, seq, 8 * args.steps, args.prompt_tokens)),
                  "data.train_files": "[]", "data.global_batch_size": "null",
                  "max_length": str(seq), "max_steps": str(args.steps), "per_device_train_batch_size": "1",
                  "gradient_accumulation_steps": "1", "logging_steps": "1", "save_strategy": "no",
@@ -95,15 +95,17 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
                                         default=None)}
 
 
-def run_one(args, name: str, seq: int) -> dict:
-    out_dir = os.path.join(args.out, "runs", f"{name}_{seq}".replace("+", "-"))
-    cmd = build_command(args, name, seq, out_dir)
+def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
+    tag = f"{name}_{seq}" + ("" if shape == "equal" else f"_{shape}")
+    out_dir = os.path.join(args.out, "runs", tag.replace("+", "-"))
+    cmd = build_command(args, name, seq, out_dir, shape)
     t0 = time.time()
     proc = run_job(cmd, args.timeout, cwd=ROOT)  # a run past --timeout is killed whole and recorded as rc 124
     log = proc.stdout + proc.stderr
     with open(os.path.join(args.out, "bench.log"), "a") as f:
-        f.write(f"\n===== {name} @ {seq} (rc={proc.returncode})\n$ {shlex.join(cmd)}\n{log[-4000:]}\n")
-    result = {"config": name, "seq_tokens": seq, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1),
+        f.write(f"\n===== {name} @ {seq} {shape} (rc={proc.returncode})\n$ {shlex.join(cmd)}\n{log[-4000:]}\n")
+    result = {"config": name, "seq_tokens": seq, "workload": shape, "rc": proc.returncode,
+              "wall_s": round(time.time() - t0, 1),
               "command": shlex.join(cmd), "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log}
     jsonl = os.path.join(out_dir, "memory.jsonl")
     if os.path.exists(jsonl):
@@ -114,9 +116,9 @@ def run_one(args, name: str, seq: int) -> dict:
     if args.profile and os.path.exists(profile + ".json"):
         result["profile"] = json.load(open(profile + ".json"))
         os.makedirs(os.path.join(args.out, "profiles"), exist_ok=True)
-        kept = os.path.join(args.out, "profiles", f"{name}_{seq}".replace("+", "-"))
+        kept = os.path.join(args.out, "profiles", tag.replace("+", "-"))
         with open(kept + ".md", "w") as f:
-            f.write(f"# {name}, {seq} tokens\n\n" + open(profile + ".md").read())
+            f.write(f"# {name}, {seq} tokens, {shape} pairs\n\n" + open(profile + ".md").read())
         if os.path.exists(profile + ".trace.json.gz"):
             shutil.copy(profile + ".trace.json.gz", kept + ".trace.json.gz")
     snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
@@ -162,6 +164,8 @@ def add_mfu(result: dict, environment: dict, row_setup) -> None:
     from recipes.planner import model_flops_per_step
 
     rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
+    if result.get("workload", "equal") != "equal":  # the FLOP count assumes two full-length sequences
+        rate = None
     setup, attn_width = row_setup
     result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width) / 1e12, 2)
     result["mfu"] = round(result["model_tflops_per_step"] / (step * rate), 4) if rate and step else None
@@ -192,15 +196,16 @@ def render_table(results: list[dict]) -> str:
     def f(v, spec=".2f"):
         return format(v, spec) if isinstance(v, (int, float)) else "n/a"
 
-    lines = ["| Seqlen | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | Frag gap (GB) | "
-             "Step Time (s) | Tokens/s | MFU | Host RSS (GB) | Pinned host (GB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| Seqlen | Workload | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | "
+             "Frag gap (GB) | Step Time (s) | Real tokens/s | MFU | Host RSS (GB) | Pinned host (GB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        head = f"| {r['seq_tokens']} | {r.get('workload', 'equal')} | {r['config']} |"
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
             status = "OOM" if r["oom"] else "timed out" if r["rc"] == 124 else f"failed (rc {r['rc']})"
-            lines.append(f"| {r['seq_tokens']} | {r['config']} | {status} | | | | | | | | |")
+            lines.append(f"{head} {status} | | | | | | | | |")
             continue
-        lines.append(f"| {r['seq_tokens']} | {r['config']} | {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
+        lines.append(f"{head} {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
                      f"{f(r['peak_reserved_gb'])} | "
                      f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | {f(r.get('mfu'), '.1%')} | "
                      f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} |")
@@ -254,8 +259,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_arguments(p)
     p.add_argument("--configs", default="stock,stock+offload,attn_mlp,norm_attn_mlp,layer+norm_attn_mlp")
-    p.add_argument("--seq-tokens", default="12288", help="comma-separated tokens per sequence")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--seq-tokens", default="12288", help="comma-separated tokens per sequence (prompt + the longer "
+                                                          "completion)")
+    p.add_argument("--workloads", default="equal",
+                   help=f"comma-separated pair shapes, from {', '.join(WORKLOADS)} (recipes/data.py WORKLOADS)")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="the prompt of the equal and unequal workloads "
+                                                                   "(at most a quarter of the sequence)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--mode", choices=("zero3", "emulate"), default="zero3",
                    help="zero3: the real path, deepspeed launcher + AdamW; emulate: the per-rank emulation, one process, SGD in "
@@ -280,6 +289,9 @@ def parse_args(argv=None):
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
     args.launcher = args.launcher or ("python" if args.mode == "emulate" else "deepspeed")
     if args.mode == "emulate" and args.launcher != "python":
         p.error("--mode emulate runs one process: use --launcher python")
@@ -317,7 +329,8 @@ def merge(paths: list[str], out: str) -> list[dict]:
     rows = {}
     for path, data in runs:
         for r in data["results"]:
-            rows[(r["config"], r["seq_tokens"])] = {**r, "source": os.path.relpath(path, ROOT)}
+            r = {"workload": "equal", **r}  # rows from before workloads were named ran equal pairs
+            rows[(r["config"], r["seq_tokens"], r["workload"])] = {**r, "source": os.path.relpath(path, ROOT)}
     results = sorted(rows.values(), key=lambda r: (r["seq_tokens"], r["config"]))
     os.makedirs(out, exist_ok=True)
     write_outputs(out, {"merged_from": sorted({r["source"] for r in results})}, results, SUMMARY_CURVES)
@@ -332,14 +345,16 @@ def main(argv=None) -> list[dict]:
     env = {**environment(args), "matmul_tflops": matmul_tflops()}
     attn_width = _attn_width(args)
     results = []
-    for seq in [int(s) for s in args.seq_tokens.split(",")]:
-        for name in args.configs.split(","):
-            results.append(run_one(args, name, seq))
-            setup = setup_from_result(env, results[-1])
-            add_mfu(results[-1], env, (setup, attn_width))
-            print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "rc", "above_weights_gb",
-                                                                  "peak_reserved_gb", "step_time_s")}), flush=True)
-            write_outputs(args.out, env, results)
+    runs = [(seq, shape, name) for seq in [int(s) for s in args.seq_tokens.split(",")]
+            for shape in args.workloads.split(",") for name in args.configs.split(",")]
+    for seq, shape, name in runs:
+        results.append(run_one(args, name, seq, shape))
+        setup = setup_from_result(env, results[-1])
+        add_mfu(results[-1], env, (setup, attn_width))
+        print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "workload", "rc",
+                                                          "above_weights_gb", "peak_reserved_gb", "step_time_s",
+                                                          "tokens_per_s")}), flush=True)
+        write_outputs(args.out, env, results)
     return results
 
 
