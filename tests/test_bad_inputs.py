@@ -143,7 +143,10 @@ def test_yaml_no_means_the_word_no():
 @pytest.mark.parametrize("text,message", [
     (json.dumps({"prompt": "a", "chosen": "b"}) + "\n", r"lack column\(s\) \['rejected'\]"),
     ("", "are empty"),
-    ('{"prompt": "a", "chosen": "b", "rejected": \n', "could not be read"),
+    ('{"prompt": "a", "chosen": "b", "rejected": \n', "line 1 is not JSON"),
+    ("not json at all\n", "line 1 is not JSON .*one JSON object per line"),
+    ('["a", "list"]\n', "line 1 is a JSON list, not an object"),
+    (json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n{broken\n", "could not be read"),  # datasets'
 ])
 def test_bad_data_files(tmp_path, text, message):
     from recipes.data import load_preferences

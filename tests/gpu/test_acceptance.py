@@ -35,6 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from recipes.data import workload  # noqa: E402
 from recipes.levers import BASE  # noqa: E402  (the neutral settings every lever run starts from)
 from recipes.distributed import run_job  # noqa: E402
 
@@ -45,6 +46,7 @@ ZERO3 = os.path.join(ROOT, "ds_configs", "zero3.json")
 ACCELERATE = os.path.join(ROOT, "launch", "accelerate", "zero3.yaml")
 RECIPES = os.path.join(ROOT, "recipes", "nemotron12b")
 SHORT = 4096
+UNEQUAL = 4160  # 64 mod 128 (PyTorch issue 196678: cuDNN attention's backward with a mask at such lengths)
 STEPS = 3
 RUN_TIMEOUT_S = 420
 # GPU memory the concurrent runs may take together (GB): the H200 has 150 GB; each run is given a weight below
@@ -62,6 +64,7 @@ class Run:
     weight_gb: float = 47.0  # expected peak reserved (GB), for scheduling only: 1 layer on ZeRO-3 measured 45-48
     compare: bool = True  # same model and data as `stock`: its step-1 gradient norm must match
     planned: bool = True  # the planner's prediction is held to 10% (LoRA's is reported, not yet calibrated)
+    workload: str = "equal"  # the pairs' shape (recipes/data.py WORKLOADS)
 
     @property
     def offloads(self) -> bool:
@@ -72,8 +75,7 @@ class Run:
 
     def command(self, out_dir: str, port: int) -> list[str]:
         over = {"model.num_hidden_layers": str(self.layers), "max_length": str(self.seq),
-                "data.synthetic": json.dumps({"pairs": STEPS + 1, "seq_tokens": self.seq,
-                                              "prompt_tokens": min(1024, self.seq // 4)}),
+                "data.synthetic": json.dumps(workload(self.workload, self.seq, STEPS + 1)),
                 "data.train_files": "[]", "data.global_batch_size": "null", "max_steps": str(STEPS),
                 "per_device_train_batch_size": "1", "gradient_accumulation_steps": "1", "save_strategy": "no",
                 "report_to": "none", "logging_steps": "1", "output_dir": out_dir, **self.overrides}
@@ -87,8 +89,8 @@ class Run:
         return [shutil.which("deepspeed"), "--num_gpus", "1", "--master_port", str(port), TRAIN, ZERO3, *args]
 
 
-def lever(**overrides) -> Run:
-    return Run("dpo_12k.yaml", overrides={**BASE, **overrides})
+def lever(*, workload: str = "equal", seq: int = SHORT, compare: bool = True, **overrides) -> Run:
+    return Run("dpo_12k.yaml", overrides={**BASE, **overrides}, workload=workload, seq=seq, compare=compare)
 
 
 RUNS = {
@@ -129,6 +131,14 @@ RUNS = {
         **BASE, "activation_offloading": "true", "model.use_peft": "true", "model.lora_target_modules": "all-linear",
         "memory.checkpointing": "layer+norm_attn", "memory.lean_norm": "true", "memory.lean_lm_head": "true",
         "memory.mlp_chunks": "4"}),
+    # Pairs whose chosen and rejected differ in length (the batch padded to 4,160 tokens, 64 mod 128), with TRL's
+    # padding mask and without it (ours), on stock and on the shipped recipes; prompts of 90% of the sequence
+    "unequal/keep_mask": lever(**{"memory.padding_mask": "keep"}, workload="unequal", seq=UNEQUAL, compare=False),
+    "unequal": lever(workload="unequal", seq=UNEQUAL, compare=False),
+    "unequal/dpo_64k": Run("dpo_64k.yaml", workload="unequal", seq=UNEQUAL, compare=False),
+    "long-prompt/dpo_12k": Run("dpo_12k.yaml", workload="long-prompt", seq=UNEQUAL, compare=False),
+    "unequal/dpo_lora_64k/python": Run("dpo_lora_64k.yaml", launcher="python", workload="unequal", seq=UNEQUAL,
+                                       weight_gb=15, compare=False, planned=False),
     # the shipped combination of the 12k headline (dpo_12k's and dpo_64k's run above, as recipes)
     "layer+lean+chunked3+head+offload": lever(activation_offloading="true", **{
         "memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
@@ -167,6 +177,9 @@ def write_runs(results: dict, path: str) -> None:
 EXACT = {**{name: "stock" for name in ("attn_mlp", "norm_attn_mlp", "layer+norm_attn_mlp", "offload",
                                        "offload_pageable", "alloc_max_split_64", "alloc_expandable", "empty_cache")},
          "stock+offload+liger": "liger", "dpo_12k/accelerate": "dpo_12k/deepspeed"}
+# run -> the run on the same pairs whose step-1 gradient norm it must give: the mask dropped (right padding under
+# causal attention) against TRL's mask; another attention kernel, so bf16 rounding: held to the norm only
+SAME_GRADIENTS = {"unequal": "unequal/keep_mask"}
 
 
 def _records(out_dir: str) -> list[dict]:
@@ -239,7 +252,8 @@ def report(results: dict) -> str:
         act = max((x.get("activation_peak_allocated_gb") or 0 for x in rec), default=None)
         opt = max((x.get("optimizer_peak_allocated_gb") or 0 for x in rec), default=None)
         off = rec[-1].get("offloaded_gb") if rec else None
-        lines.append(f"| {name} | {run.launcher} | {run.layers} | {run.seq} | {r.get('rc')} | {f(logs[0].get('loss'), '.4f')} | "
+        lines.append(f"| {name} | {run.launcher} | {run.layers} | {run.seq} {run.workload} | {r.get('rc')} | "
+                     f"{f(logs[0].get('loss'), '.4f')} | "
                      f"{f(logs[0].get('grad_norm'), '.4f')} | {f(measured)} | {f(predicted)} | {f(error, '+.1%')} | "
                      f"{f(act)} / {f(opt)} | {f(off)} | {f(r.get('wall_s'), '.0f')} |")
     return "\n".join(lines)
@@ -396,3 +410,49 @@ def test_levers_that_keep_the_arithmetic_keep_the_curve(runs, name):
     CPU suite)."""
     got, want = runs[name]["summary"]["train_logs"], runs[EXACT[name]]["summary"]["train_logs"]
     assert got[1]["loss"] == pytest.approx(want[1]["loss"], abs=2e-3)
+
+
+@pytest.mark.parametrize("name", [n for n, ref in SAME_GRADIENTS.items() if n in RUNS and ref in RUNS])
+def test_unequal_pairs_without_the_mask_give_the_masked_gradients(runs, name):
+    """The same unequal pairs with TRL's padding mask and without it (ours): the step-1 gradient norm matches (bf16,
+    1%: other attention kernels round differently) and every loss is finite (no NaN from a masked kernel)."""
+    got, want = runs[name]["summary"]["train_logs"], runs[SAME_GRADIENTS[name]]["summary"]["train_logs"]
+    assert all(math.isfinite(x["grad_norm"]) for x in got + want)
+    assert got[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-2)
+    assert "attention: no mask for right-padded pairs" in runs[name]["log_tail"] or runs[name]["rc"] == 0
+
+
+def test_attention_kernel_on_unequal_pairs_with_and_without_the_mask():
+    """Which attention kernel runs for a right-padded DPO batch of the 12B's attention shape (32 query / 8 key-value
+    heads of 128, bf16, rows of 4,160 and 3,808 real tokens, padded to 4,160: 64 mod 128), through transformers' SDPA path with TRL's
+    mask and with ours (none): recorded in the log; the gradients are finite either way."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from recipes import padding_mask
+    from recipes.config import ModelArgs
+    from recipes.modeling import build_model
+
+    torch.manual_seed(0)
+    lengths = (UNEQUAL, UNEQUAL - 352)
+    ids = torch.randint(3, 250, (2, UNEQUAL), device="cuda")
+    mask = torch.zeros(2, UNEQUAL, dtype=torch.long, device="cuda")
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    kernels = {}
+    for name, drop in (("TRL's mask", False), ("no mask (ours)", True)):
+        model = build_model(ModelArgs(architecture="recipes/architectures/mistral_nemo_12b.json", tokenizer="byte",
+                                      num_hidden_layers=1, dtype="bfloat16")).to("cuda")
+        if drop:
+            padding_mask.install(model)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            (hidden.float() * mask[..., None]).square().mean().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads), name
+        kernels[name] = sorted({e.key for e in prof.key_averages()
+                                if any(w in e.key.lower() for w in ("attention", "fmha", "flash", "cudnn", "sdpa"))})
+        del model, grads, hidden
+        torch.cuda.empty_cache()
+    for name, names in kernels.items():
+        print(f"attention kernels, {name}: {names or ['(none matched)']}")
+    assert kernels["no mask (ours)"] != kernels["TRL's mask"]  # the mask changed which kernel runs
