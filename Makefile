@@ -1,13 +1,15 @@
-# The two quickstart commands; each sets itself up (a virtual environment from requirements.txt) on first use.
+# The two quickstart commands; each sets itself up (a virtual environment with the pinned packages of
+# requirements.txt and this repo's `longdpo` package installed editable) on first use.
 #   make quickstart   DPO of a tiny Mistral on the shipped preference data (CPU when no GPU is present)
-#   make test         the CPU test suite (real TRL, real DeepSpeed ZeRO-3 over gloo)
+#   make test         the linter, then the CPU test suite (real TRL, real DeepSpeed ZeRO-3 over gloo)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum < requirements.txt | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --disable-pip-version-check -q -r requirements.txt
+	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -16,7 +18,11 @@ install: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) launch/train_dpo.py --recipe recipes/tiny_mistral/dpo_quickstart.yaml --overwrite_output_dir
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest tests
 
-.PHONY: install quickstart test
+.PHONY: install quickstart lint test

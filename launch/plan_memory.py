@@ -3,7 +3,7 @@
     python launch/plan_memory.py --recipe recipes/nemotron12b/dpo_12k.yaml --gpus 8 --gpu-memory 80GB
     python launch/plan_memory.py --recipe recipes/nemotron12b/dpo_12k.yaml --gpus 8 --gpu-memory 80GB \
         --deepspeed ds_configs/zero3.json --max_length 65536          # any recipe override works here too
-    python launch/plan_memory.py --calibrate                          # refit recipes/planner_calibration.json
+    python launch/plan_memory.py --calibrate                          # refit longdpo/planner/calibration.json
 
 Exit status: 0 fits (or no --gpu-memory / --host-memory given), 1 does not fit, 2 bad input.
 """
@@ -15,11 +15,12 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from longdpo.config import RecipeError, load_recipe, parse_overrides
+from longdpo.patches import quiet_deprecation_warnings
+from longdpo.planner.plan import CALIBRATION, plan, render
 
-from recipes.config import RecipeError, load_recipe, parse_overrides, quiet_deprecated_checkpointing_calls  # noqa: E402
-from recipes.planner import CALIBRATION, plan, render  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _gb(value: str, flag: str) -> float:
     try:
@@ -28,22 +29,44 @@ def _gb(value: str, flag: str) -> float:
         raise RecipeError(f"{flag} {value!r} is not a size; write it in GB, e.g. 80GB.") from None
 
 
+def data_longest_pair(recipe) -> int | None:
+    """With `max_length: null` on files or a Hub dataset, the planner plans for the longest pair: measured here, as
+    the entrypoint measures it (TRL's tokenization, one pass over the data)."""
+    from longdpo.config import trainer_default
+
+    if recipe.trainer.get("max_length", trainer_default("max_length")) is not None or recipe.data.synthetic:
+        return None
+    from longdpo.checks import check_data_args
+    from longdpo.data import load_train_data, longest_pair
+    from longdpo.model.build import load_tokenizer
+
+    check_data_args(recipe.data)
+    longest = longest_pair(load_tokenizer(recipe.model), load_train_data(recipe.data))
+    print(f"max_length: null: the data's longest pair is {longest} tokens; planning for it")
+    return longest
+
+
 def main(argv=None) -> int:
-    quiet_deprecated_checkpointing_calls()
+    quiet_deprecation_warnings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe")
     p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 80GB")
-    p.add_argument("--host-memory", default=None, help="host RAM per node, e.g. 1000GB (checks activation and ZeRO "
-                                                        "CPU offload)")
-    p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON ('none': no DeepSpeed); default: the recipe's "
-                                                     "`deepspeed`, else ds_configs/zero3.json on several GPUs and none "
-                                                     "on one")
-    p.add_argument("--calibrate", action="store_true", help="refit recipes/planner_calibration.json from results/")
+    p.add_argument(
+        "--host-memory", default=None, help="host RAM per node, e.g. 1000GB (checks activation and ZeRO CPU offload)"
+    )
+    p.add_argument(
+        "--deepspeed",
+        default=None,
+        help="DeepSpeed JSON ('none': no DeepSpeed); default: the recipe's "
+        "`deepspeed`, else ds_configs/zero3.json on several GPUs and none "
+        "on one",
+    )
+    p.add_argument("--calibrate", action="store_true", help="refit longdpo/planner/calibration.json from results/")
     args, rest = p.parse_known_args(argv)
     if args.calibrate:
-        from recipes.calibration import calibrate
+        from longdpo.planner.calibration import calibrate
 
         cal = calibrate()
         with open(CALIBRATION, "w") as f:
@@ -56,15 +79,18 @@ def main(argv=None) -> int:
         recipe = load_recipe(args.recipe, parse_overrides(rest))
         ds = None
         if args.deepspeed is None:
-            args.deepspeed = recipe.trainer.get("deepspeed") or ("ds_configs/zero3.json" if args.gpus * args.nodes > 1
-                                                                 else "none")
+            args.deepspeed = recipe.trainer.get("deepspeed") or (
+                "ds_configs/zero3.json" if args.gpus * args.nodes > 1 else "none"
+            )
         if args.deepspeed != "none" and not recipe.memory.sgd_in_backward:
-            from recipes.validate import check_deepspeed_config
+            from longdpo.checks import check_deepspeed_config
 
             ds = check_deepspeed_config(args.deepspeed)
-        memory, host = (None if v is None else _gb(v, name) for v, name in ((args.gpu_memory, "--gpu-memory"),
-                                                                           (args.host_memory, "--host-memory")))
-        result = plan(recipe, args.gpus, memory, args.nodes, ds, host)
+        memory, host = (
+            None if v is None else _gb(v, name)
+            for v, name in ((args.gpu_memory, "--gpu-memory"), (args.host_memory, "--host-memory"))
+        )
+        result = plan(recipe, args.gpus, memory, args.nodes, ds, host, seq=data_longest_pair(recipe))
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -73,9 +99,11 @@ def main(argv=None) -> int:
     print(render(result))
     if host is None and result.host_per_node_gb:  # said, not judged: the training nodes may not be this machine
         here = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-        print(f"  host: {result.host_per_node_gb:.1f} GB per node needed; this machine has {here:.0f} GB of RAM "
-              f"({'enough' if here >= result.host_per_node_gb else 'NOT enough'} if it is a training node; "
-              "`--host-memory` checks the nodes)")
+        print(
+            f"  host: {result.host_per_node_gb:.1f} GB per node needed; this machine has {here:.0f} GB of RAM "
+            f"({'enough' if here >= result.host_per_node_gb else 'NOT enough'} if it is a training node; "
+            "`--host-memory` checks the nodes)"
+        )
     return 1 if result.fits is False else 0
 
 

@@ -13,13 +13,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests never reach the Hub: a Hub id resolves from a cache a test lays out, or fails at once.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, ROOT)
-from recipes.config import ModelArgs  # noqa: E402
-from recipes.distributed import run_job  # noqa: E402  (a timed-out launch leaves no rank behind)
+from longdpo.cluster.distributed import run_job  # a timed-out launch leaves no rank behind  # noqa: E402
+from longdpo.config import ModelArgs  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 TINY = os.path.join(ROOT, "recipes", "tiny_mistral", "dpo_quickstart.yaml")
 TRAIN = os.path.join(ROOT, "launch", "train_dpo.py")
+FAULTS = os.path.join(ROOT, "tests", "fault_worker.py")  # train_dpo.py with a fault injected (its docstring)
 ZERO3 = os.path.join(ROOT, "ds_configs", "zero3.json")
 # one tiny run takes under a minute on a 2-core box; a hung one is killed whole at this, not at CI's limit
 RUN_TIMEOUT_S = 300
@@ -31,29 +31,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(out_dir, *overrides: str, launcher: str = "python", procs: int = 1, recipe: str = TINY,
-                   script: str = TRAIN) -> list[str]:
+def launch_command(
+    out_dir, *overrides: str, launcher: str = "python", procs: int = 1, recipe: str = TINY, script: str = TRAIN
+) -> list[str]:
     """The command users type to run launch/train_dpo.py (or a script that wraps it) under `launcher`."""
     args = ["--recipe", recipe, "--output_dir", str(out_dir), *overrides]
     if launcher == "python":
         return [sys.executable, script, *args]
     if launcher == "deepspeed":
-        return [os.path.join(BIN, "deepspeed"), "--num_gpus", str(procs), "--master_port", str(free_port()),
-                script, ZERO3, *args]
+        return [
+            os.path.join(BIN, "deepspeed"),
+            "--num_gpus",
+            str(procs),
+            "--master_port",
+            str(free_port()),
+            script,
+            ZERO3,
+            *args,
+        ]
     if launcher == "accelerate":
-        return [os.path.join(BIN, "accelerate"), "launch", "--config_file",
-                os.path.join(ROOT, "launch", "accelerate", "zero3.yaml"), "--num_processes", str(procs),
-                "--main_process_port", str(free_port()), script, *args]
+        return [
+            os.path.join(BIN, "accelerate"),
+            "launch",
+            "--config_file",
+            os.path.join(ROOT, "launch", "accelerate", "zero3.yaml"),
+            "--num_processes",
+            str(procs),
+            "--main_process_port",
+            str(free_port()),
+            script,
+            *args,
+        ]
     raise ValueError(launcher)
 
 
 def job_env(env: dict | None = None) -> dict:
-    return {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return {
+        **os.environ,
+        "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
 
 
-def run_train(out_dir, *overrides: str, launcher: str = "python", procs: int = 1, recipe: str = TINY,
-              env: dict | None = None, check: bool = True, script: str = TRAIN) -> subprocess.CompletedProcess:
+def run_train(
+    out_dir,
+    *overrides: str,
+    launcher: str = "python",
+    procs: int = 1,
+    recipe: str = TINY,
+    env: dict | None = None,
+    check: bool = True,
+    script: str = TRAIN,
+) -> subprocess.CompletedProcess:
     """Launch launch/train_dpo.py (or a script that wraps it) the way users do; returns the finished process
     (stdout+stderr in .stdout)."""
     cmd = launch_command(out_dir, *overrides, launcher=launcher, procs=procs, recipe=recipe, script=script)
@@ -71,12 +102,15 @@ def summary(out_dir) -> dict:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Mistral + byte tokenizer saved as a local Hugging Face directory (the `name_or_path` form)."""
-    from recipes.config import ModelArgs
-    from recipes.modeling import build_byte_tokenizer, build_model
+    from longdpo.config import ModelArgs
+    from longdpo.model.build import build_byte_tokenizer, build_model
 
     path = tmp_path_factory.mktemp("tiny_mistral_hf")
-    model = build_model(ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte",
-                                  dtype="float32", init_seed=3))
+    model = build_model(
+        ModelArgs(
+            architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32", init_seed=3
+        )
+    )
     model.save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return str(path)
@@ -86,9 +120,15 @@ def tiny_model_dir(tmp_path_factory):
 
 TINY_ARGS = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
 # the supported families, each built in code with its tokenizer (Qwen2.5's tiny model ties its embeddings)
-FAMILIES = {name: ModelArgs(architecture=f"recipes/architectures/tiny_{name}.json", tokenizer=tok, dtype="float32")
-            for name, tok in (("mistral", "byte-mistral"), ("llama3", "byte-llama3"), ("qwen2_5", "byte-chatml"),
-                              ("qwen3", "byte-chatml"))}
+FAMILIES = {
+    name: ModelArgs(architecture=f"recipes/architectures/tiny_{name}.json", tokenizer=tok, dtype="float32")
+    for name, tok in (
+        ("mistral", "byte-mistral"),
+        ("llama3", "byte-llama3"),
+        ("qwen2_5", "byte-chatml"),
+        ("qwen3", "byte-chatml"),
+    )
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -101,31 +141,49 @@ def dpo_batch(family):
     """One real TRL DPO batch (chosen + rejected, padded, with completion mask) from the shipped data."""
     from trl import DPOConfig, DPOTrainer
 
-    from recipes.data import load_preferences
-    from recipes.modeling import build_byte_tokenizer, build_model
+    from longdpo.data import load_preferences
+    from longdpo.model.build import build_byte_tokenizer, build_model
 
-    args = DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, per_device_train_batch_size=4,
-                     max_length=128, gradient_checkpointing=False)
-    trainer = DPOTrainer(model=build_model(family), ref_model=build_model(family), args=args,
-                         train_dataset=load_preferences(["recipes/data/arithmetic_preferences.jsonl"]),
-                         processing_class=build_byte_tokenizer(family.tokenizer))
+    args = DPOConfig(
+        output_dir="/tmp/unused",
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=4,
+        max_length=128,
+        activation_checkpointing=False,
+        dataloader_pin_memory=False,
+    )
+    trainer = DPOTrainer(
+        model=build_model(family),
+        ref_model=build_model(family),
+        args=args,
+        train_dataset=load_preferences(["recipes/data/arithmetic_preferences.jsonl"]),
+        processing_class=build_byte_tokenizer(family.tokenizer),
+    )
     return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader()))), family
 
 
-def loss_and_grads(dpo_batch, policy: str, tiles: int = 0, chunks: int = 0, lean: bool = False,
-                   reentrant: bool = False, drop_mask: bool = False):
+def loss_and_grads(
+    dpo_batch,
+    policy: str,
+    tiles: int = 0,
+    chunks: int = 0,
+    lean: bool = False,
+    reentrant: bool = False,
+    drop_mask: bool = False,
+):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1).
     `drop_mask`: right padding's attention mask dropped (recipes/padding_mask.py) on both."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from recipes import padding_mask
-    from recipes.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
-    from recipes.modeling import build_model
+    from longdpo.model import padding_mask
+    from longdpo.model.build import build_model
+    from longdpo.model.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
 
     trainer, inputs, args = dpo_batch
     model = build_model(args)
     if uses_transformers_layer_checkpointing(policy):
-        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        model.activation_checkpointing_enable({"use_reentrant": reentrant})
     wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     trainer.ref_model = build_model(ModelArgs(**{**args.__dict__, "init_seed": 1}))

@@ -7,12 +7,10 @@ tensor, which under ZeRO-3 crashed TRL's fused LM head at the first backward ('T
 """
 
 import os
-import sys
+import runpy
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trl import DPOTrainer  # noqa: E402
-from trl.models.activation_offloading import NoOpManager  # noqa: E402
+from trl import DPOTrainer
+from trl.models.activation_offloading import NoOpManager
 
 _training_step = DPOTrainer.training_step
 
@@ -23,8 +21,7 @@ def training_step_under_hooks(self, *args, **kwargs):
 
 
 DPOTrainer.training_step = training_step_under_hooks
-
-from launch import train_dpo  # noqa: E402
-
-if __name__ == "__main__":
-    train_dpo.exit_now(train_dpo.run())
+runpy.run_path(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "train_dpo.py"),
+    run_name="__main__",
+)

@@ -4,20 +4,20 @@ half of every sequence). Writes, per rank, the loss, TRL's logged metrics and ev
 data-parallel engines would apply it (summed over ranks / world size) to $SP_OUT/rank<r>.pt."""
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from longdpo.config import ModelArgs  # noqa: E402
+from longdpo.model.build import build_byte_tokenizer, build_model  # noqa: E402
+from longdpo.model.sequence_parallel import SequenceParallel  # noqa: E402
+from longdpo.patches import distributed_on_cpu  # noqa: E402
 
-from recipes.config import ModelArgs  # noqa: E402
-from recipes.distributed import skip_cpu_shm_allreduce  # noqa: E402
-from recipes.modeling import build_byte_tokenizer, build_model  # noqa: E402
-from recipes.sequence_parallel import SequenceParallel  # noqa: E402
-
-TINY = ModelArgs(architecture=f"recipes/architectures/tiny_{os.environ.get('SP_FAMILY', 'mistral')}.json",
-                 tokenizer="byte", dtype="float32")
+TINY = ModelArgs(
+    architecture=f"recipes/architectures/tiny_{os.environ.get('SP_FAMILY', 'mistral')}.json",
+    tokenizer="byte",
+    dtype="float32",
+)
 
 
 def loss_metrics_grads(trainer, inputs):
@@ -35,24 +35,37 @@ def loss_metrics_grads(trainer, inputs):
 
 
 def main():
-    skip_cpu_shm_allreduce()  # as train_dpo does on CPU
+    distributed_on_cpu()  # as train_dpo does on CPU
     dist.init_process_group("gloo")
     from trl import DPOConfig, DPOTrainer
 
-    from recipes.data import load_preferences
+    from longdpo.data import load_preferences
 
     pairs = int(os.environ.get("SP_PAIRS", "3"))  # 3 pairs = 6 sequences: below the micro-batch of 8 (padded)
-    args = DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, per_device_train_batch_size=pairs,
-                     max_length=int(os.environ.get("SP_MAX_LENGTH", "77")), gradient_checkpointing=True,
-                     use_cpu=True)
+    args = DPOConfig(
+        output_dir="/tmp/unused",
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=pairs,
+        max_length=int(os.environ.get("SP_MAX_LENGTH", "77")),
+        activation_checkpointing=True,
+        use_cpu=True,
+    )
     data = load_preferences(["recipes/data/arithmetic_preferences.jsonl"]).select(range(pairs))
-    trainer = DPOTrainer(model=build_model(TINY), ref_model=build_model(ModelArgs(**{**TINY.__dict__, "init_seed": 1})),
-                         args=args, train_dataset=data, processing_class=build_byte_tokenizer())
+    trainer = DPOTrainer(
+        model=build_model(TINY),
+        ref_model=build_model(ModelArgs(**{**TINY.__dict__, "init_seed": 1})),
+        args=args,
+        train_dataset=data,
+        processing_class=build_byte_tokenizer(),
+    )
     trainer.model.train()
     trainer._tp_size = 2  # both runs give both ranks the same batch: count its tokens once (train_dpo sets this)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(pairs)])
     if batch["input_ids"].shape[1] % 2 == 0:  # an odd length: sp_size 2 must pad it
-        batch = {k: v[:, :-1] if k in ("input_ids", "attention_mask", "completion_mask") else v for k, v in batch.items()}
+        batch = {
+            k: v[:, :-1] if k in ("input_ids", "attention_mask", "completion_mask") else v for k, v in batch.items()
+        }
     inputs = trainer._prepare_inputs(batch)
     plain = loss_metrics_grads(trainer, inputs)
 
@@ -60,9 +73,16 @@ def main():
     sp.wrap(trainer.model)
     sp.wrap(trainer.ref_model)
     sharded = loss_metrics_grads(trainer, inputs)
-    torch.save({"seq_len": inputs["input_ids"].shape[1], "plain": plain, "sp": sharded,
-                "dp": (sp.dp_rank, sp.dp_size), "sp_rank": sp.rank},
-               os.path.join(os.environ["SP_OUT"], f"rank{dist.get_rank()}.pt"))
+    torch.save(
+        {
+            "seq_len": inputs["input_ids"].shape[1],
+            "plain": plain,
+            "sp": sharded,
+            "dp": (sp.dp_rank, sp.dp_size),
+            "sp_rank": sp.rank,
+        },
+        os.path.join(os.environ["SP_OUT"], f"rank{dist.get_rank()}.pt"),
+    )
     dist.destroy_process_group()
 
 

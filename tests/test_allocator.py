@@ -1,35 +1,42 @@
 """memory.allocator_conf reaches the allocator: set before torch touches CUDA, recipe over environment, checked keys."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT, run_train
 
-from recipes import allocator
-from recipes.config import RecipeError
+from longdpo.config import RecipeError
+from longdpo.model import allocator
 
 
-@pytest.mark.parametrize("conf,parsed", [
-    ("max_split_size_mb:64", {"max_split_size_mb": "64"}),
-    ("max_split_size_mb:64, expandable_segments:True", {"max_split_size_mb": "64", "expandable_segments": "True"}),
-    ("garbage_collection_threshold:0.8,roundup_power2_divisions:[256:1,512:2,>:4]",
-     {"garbage_collection_threshold": "0.8", "roundup_power2_divisions": "[256:1,512:2,>:4]"}),
-])
+@pytest.mark.parametrize(
+    "conf,parsed",
+    [
+        ("max_split_size_mb:64", {"max_split_size_mb": "64"}),
+        ("max_split_size_mb:64, expandable_segments:True", {"max_split_size_mb": "64", "expandable_segments": "True"}),
+        (
+            "garbage_collection_threshold:0.8,roundup_power2_divisions:[256:1,512:2,>:4]",
+            {"garbage_collection_threshold": "0.8", "roundup_power2_divisions": "[256:1,512:2,>:4]"},
+        ),
+    ],
+)
 def test_parse_valid(conf, parsed):
     assert allocator.parse(conf) == parsed
 
 
-@pytest.mark.parametrize("conf,message", [
-    ("max_split_size_mb=64", "malformed; write `key:value`"),
-    ("max_split_sz_mb:64", "Did you mean `max_split_size_mb`"),
-    ("max_split_size_mb:10", "must be an integer > 20"),
-    ("garbage_collection_threshold:1.5", "strictly between 0 and 1"),
-    ("expandable_segments:yes", "True or False"),
-    ("roundup_power2_divisions:3", "power of two"),
-])
+@pytest.mark.parametrize(
+    "conf,message",
+    [
+        ("max_split_size_mb=64", "malformed; write `key:value`"),
+        ("max_split_sz_mb:64", "Did you mean `max_split_size_mb`"),
+        ("max_split_size_mb:10", "must be an integer > 20"),
+        ("garbage_collection_threshold:1.5", "strictly between 0 and 1"),
+        ("expandable_segments:yes", "True or False"),
+        ("roundup_power2_divisions:3", "power of two"),
+    ],
+)
 def test_malformed_or_unknown_is_an_error(conf, message):
     # torch itself accepts unknown keys silently: that is why we check
     with pytest.raises(RecipeError, match=message):
@@ -56,12 +63,12 @@ def test_apply_sets_both_variables_and_overrides_the_user():
 def test_entrypoint_applies_it_before_torch_is_imported():
     """In a fresh process, the entrypoint's first step runs with torch not yet imported and CUDA not initialised."""
     code = (
-        "import sys; sys.path.insert(0, 'launch'); sys.path.insert(0, '.');"
-        "import train_dpo, os;"
-        "from recipes import allocator;"
-        "cli = train_dpo.parse_cli(['--recipe', 'recipes/tiny_mistral/dpo_quickstart.yaml',"
+        "import os;"
+        "from longdpo.model import allocator;"
+        "from longdpo.config import parse_cli;"
+        "cli = parse_cli(['--recipe', 'recipes/tiny_mistral/dpo_quickstart.yaml',"
         "                           '--memory.allocator_conf', 'max_split_size_mb:64']);"
-        "from recipes.config import read_memory_section;"
+        "from longdpo.config import read_memory_section;"
         "mem = read_memory_section(cli['recipe'], cli['overrides']);"
         "rec = allocator.apply(mem.allocator_conf);"
         "import json; print(json.dumps({**rec, 'env': os.environ.get('PYTORCH_CUDA_ALLOC_CONF'),"
@@ -78,9 +85,8 @@ def test_runtime_path_when_cuda_is_already_initialised():
     made, and a read-back that disagrees (what an H200 showed: results/gpu_2026-12-02_first) is a loud error."""
     code = """
 import json, torch, sys
-sys.path.insert(0, '.')
-from recipes import allocator
-from recipes.config import RecipeError
+from longdpo.model import allocator
+from longdpo.config import RecipeError
 calls = []
 torch.cuda.is_initialized = lambda: True
 torch.cuda.is_available = lambda: True
@@ -105,8 +111,18 @@ print(json.dumps({"ok": ok, "calls": calls, "err": err, "env": env}))
 
 
 def test_effective_setting_recorded_in_telemetry(tmp_path):
-    run_train(tmp_path, "--max_steps", "1", "--save_strategy", "no", "--report_to", "none",
-              "--memory.allocator_conf", "max_split_size_mb:64", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    run_train(
+        tmp_path,
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--memory.allocator_conf",
+        "max_split_size_mb:64",
+        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    )
     record = json.loads(open(tmp_path / "memory.jsonl").readline())
     assert record["allocator_conf"] == "max_split_size_mb:64"
     summary = json.load(open(tmp_path / "train_summary.json"))
@@ -116,12 +132,14 @@ def test_effective_setting_recorded_in_telemetry(tmp_path):
 
 def test_empty_cache_steps_runs_on_boundaries(tmp_path):
     """gc + empty_cache every N steps and micro-batches: counted through the callback's own hook points."""
-    from recipes.callbacks import MemoryCallback
-    from recipes.config import MemoryArgs
+    from longdpo.config import MemoryArgs
+    from longdpo.training.callbacks import MemoryCallback
 
-    cb = MemoryCallback(MemoryArgs(empty_cache_steps=2, empty_cache_microbatches=3, telemetry=False), {
-        "allocator_conf": None, "source": "default", "path": None})
-    import recipes.callbacks as callbacks
+    cb = MemoryCallback(
+        MemoryArgs(empty_cache_steps=2, empty_cache_microbatches=3, telemetry=False),
+        {"allocator_conf": None, "source": "default", "path": None},
+    )
+    import longdpo.training.callbacks as callbacks
 
     emptied = []
     original = callbacks.empty_cache

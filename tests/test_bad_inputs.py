@@ -6,8 +6,8 @@ import os
 import pytest
 from conftest import ROOT, TINY, run_train
 
-from recipes.config import RecipeError, load_recipe, parse_overrides
-from recipes.validate import check_recipe
+from longdpo.checks import check_recipe
+from longdpo.config import RecipeError, load_recipe, parse_overrides
 
 
 def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = False):
@@ -16,53 +16,67 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
     return r
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--learning_rat", "1e-5"], "Unknown key `learning_rat`.*Did you mean `learning_rate`"),
-    (["--memory.checkpointng", "layer"], "Unknown key `memory.checkpointng`.*Did you mean `checkpointing`"),
-    (["--model.dtpye", "float32"], "Unknown key `model.dtpye`.*Did you mean `dtype`"),
-    (["--max_steps", "ten"], "`max_steps` must be a number"),
-    (["--gradient_checkpointing", "true"], "memory.checkpointing"),
-    (["--memory.checkpointing", "norm_atn"], "Did you mean `norm_attn`"),
-    (["--memory.empty_cache_steps", "1", "--torch_empty_cache_steps", "1"], "remove `torch_empty_cache_steps`"),
-    (["--memory.empty_cache_steps", "-1"], "`memory.empty_cache_steps` must be >= 0"),
-    (["--memory.tiled_mlp", "2", "--memory.mlp_chunks", "2"], "Set one of `memory.tiled_mlp` and `memory.mlp_chunks`"),
-    (["--bf16", "true"], "set `bf16: false`"),
-    (["--model.dtype", "bfloat16"], "set `model.dtype: float32`"),
-    (["--model.dtype", "float64"], "`model.dtype` must be one of"),
-    (["--activation_offloading", "true"], "set `activation_offloading: false`"),
-    (["--memory.offload_pin_memory", "false"], "set `activation_offloading: true` too"),
-    (["--max_length", "1"], "`max_length` must be an integer >= 2"),
-    (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size` must be a positive integer"),
-    (["--data.global_batch_size", "6"], r"`data.global_batch_size: 6` is not a multiple of .* = 4"),
-    (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
-    (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
-    (["--data.train_files", "[]"], "No training data"),
-    (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "must be a mapping with the keys"),
-    (["--model.name_or_path", "some/dir"], "Set exactly one of `model.name_or_path`"),
-    (["--model.architecture", "null", "--model.name_or_path", "org/model"], "'org/model' is not a local directory and could not be loaded"),
-    (["--model.architecture", "null", "--model.name_or_path", "./no/such/dir"], "neither a local directory nor a Hugging Face Hub id"),
-    (["--model.architecture", "recipes/architectures/nope.json"], "does not exist"),
-    (["--model.tokenizer", "null"], "set `model.tokenizer: byte`"),
-    (["--deepspeed", "ds_configs/nope.json"], "does not exist; pass one of ds_configs"),
-    (["--memory.sgd_in_backward", "true", "--deepspeed", "ds_configs/zero3.json"], "single process"),
-    (["--memory.allocator_conf", "max_split_size_mb=64"], "malformed; write `key:value`"),
-    (["--use_liger_kernel", "true"], "needs a CUDA GPU.*set `use_liger_kernel: false`"),
-    (["--bf16", "true", "--fp16", "true"], "both set; keep one"),
-    (["--run.on_nonfinite", "ignore"], "`run.on_nonfinite` must be stop or skip"),
-    (["--run.on_nonfinite", "skip", "--memory.sgd_in_backward", "true"], "use `run.on_nonfinite: stop`"),
-    (["--run.save_on_signals", "[SIGKILL]"], "not a signal a run can save on"),
-    (["--memory.profile_step", "-1"], "`memory.profile_step` must be >= 0"),
-    (["--model.lora_r", "8"], r"`model.lora_r` is set but LoRA is off: set `model.use_peft: true`"),
-    (["--model.use_peft", "true", "--model.lora_target_modules", "[q_prj, v_proj]"],
-     r"\['q_prj'\] match\(es\) no module of this mistral model; its linear layers are .*'q_proj'"),
-    (["--model.use_peft", "true", "--model.lora_target_modules", ".*nothing.*"], "Fix `model.lora_target_modules`"),
-    (["--model.use_peft", "true", "--model.lora_target_modules", "[q_proj, lm_head]"], "drop `lm_head` there"),
-    (["--model.use_peft", "true", "--model.lora_r", "0"], "`model.lora_r` must be at least 1"),
-    (["--model.use_peft", "true", "--model.lora_dropout", "1.5"], r"`model.lora_dropout` must be in \[0, 1\)"),
-    (["--model.use_peft", "true", "--model.lora_save_merged", "true"], "random-init `model.architecture`"),
-    (["--model.use_peft", "true", "--sync_ref_model", "true"], "set `sync_ref_model: false`"),
-    (["--model.use_peft", "true", "--memory.sgd_in_backward", "true"], "set `memory.sgd_in_backward: false`"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--learning_rat", "1e-5"], "Unknown key `learning_rat`.*Did you mean `learning_rate`"),
+        (["--memory.checkpointng", "layer"], "Unknown key `memory.checkpointng`.*Did you mean `checkpointing`"),
+        (["--model.dtpye", "float32"], "Unknown key `model.dtpye`.*Did you mean `dtype`"),
+        (["--max_steps", "ten"], "`max_steps` must be a number"),
+        (["--gradient_checkpointing", "true"], "memory.checkpointing"),
+        (["--memory.checkpointing", "norm_atn"], "Did you mean `norm_attn`"),
+        (["--memory.empty_cache_steps", "1", "--torch_empty_cache_steps", "1"], "remove `torch_empty_cache_steps`"),
+        (["--memory.empty_cache_steps", "-1"], "`memory.empty_cache_steps` must be >= 0"),
+        (
+            ["--memory.tiled_mlp", "2", "--memory.mlp_chunks", "2"],
+            "Set one of `memory.tiled_mlp` and `memory.mlp_chunks`",
+        ),
+        (["--bf16", "true"], "set `bf16: false`"),
+        (["--model.dtype", "bfloat16"], "set `model.dtype: float32`"),
+        (["--model.dtype", "float64"], "`model.dtype` must be one of"),
+        (["--activation_offloading", "true"], "set `activation_offloading: false`"),
+        (["--memory.offload_pin_memory", "false"], "set `activation_offloading: true` too"),
+        (["--max_length", "1"], "`max_length` must be an integer >= 2"),
+        (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size` must be a positive integer"),
+        (["--data.global_batch_size", "6"], r"`data.global_batch_size: 6` is not a multiple of .* = 4"),
+        (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
+        (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
+        (["--data.train_files", "[]"], "No training data"),
+        (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "must be a mapping with the keys"),
+        (["--model.name_or_path", "some/dir"], "Set exactly one of `model.name_or_path`"),
+        (
+            ["--model.architecture", "null", "--model.name_or_path", "org/model"],
+            "'org/model' is not a local directory and could not be loaded",
+        ),
+        (
+            ["--model.architecture", "null", "--model.name_or_path", "./no/such/dir"],
+            "neither a local directory nor a Hugging Face Hub id",
+        ),
+        (["--model.architecture", "recipes/architectures/nope.json"], "does not exist"),
+        (["--model.tokenizer", "null"], "set `model.tokenizer: byte`"),
+        (["--deepspeed", "ds_configs/nope.json"], "does not exist; pass one of ds_configs"),
+        (["--memory.sgd_in_backward", "true", "--deepspeed", "ds_configs/zero3.json"], "single process"),
+        (["--memory.allocator_conf", "max_split_size_mb=64"], "malformed; write `key:value`"),
+        (["--use_liger_kernel", "true"], "needs a CUDA GPU.*set `use_liger_kernel: false`"),
+        (["--bf16", "true", "--fp16", "true"], "both set; keep one"),
+        (["--run.on_nonfinite", "ignore"], "`run.on_nonfinite` must be stop or skip"),
+        (["--run.on_nonfinite", "skip", "--memory.sgd_in_backward", "true"], "use `run.on_nonfinite: stop`"),
+        (["--run.save_on_signals", "[SIGKILL]"], "not a signal a run can save on"),
+        (["--memory.profile_step", "-1"], "`memory.profile_step` must be >= 0"),
+        (["--model.lora_r", "8"], r"`model.lora_r` is set but LoRA is off: set `model.use_peft: true`"),
+        (
+            ["--model.use_peft", "true", "--model.lora_target_modules", "[q_prj, v_proj]"],
+            r"\['q_prj'\] match\(es\) no module of this mistral model; its linear layers are .*'q_proj'",
+        ),
+        (["--model.use_peft", "true", "--model.lora_target_modules", ".*nothing.*"], "Fix `model.lora_target_modules`"),
+        (["--model.use_peft", "true", "--model.lora_target_modules", "[q_proj, lm_head]"], "drop `lm_head` there"),
+        (["--model.use_peft", "true", "--model.lora_r", "0"], "`model.lora_r` must be at least 1"),
+        (["--model.use_peft", "true", "--model.lora_dropout", "1.5"], r"`model.lora_dropout` must be in \[0, 1\)"),
+        (["--model.use_peft", "true", "--model.lora_save_merged", "true"], "random-init `model.architecture`"),
+        (["--model.use_peft", "true", "--sync_ref_model", "true"], "set `sync_ref_model: false`"),
+        (["--model.use_peft", "true", "--memory.sgd_in_backward", "true"], "set `memory.sgd_in_backward: false`"),
+    ],
+)
 def test_bad_recipe_values(argv, message):
     with pytest.raises(RecipeError, match=message):
         check(*argv)
@@ -71,7 +85,15 @@ def test_bad_recipe_values(argv, message):
 def test_16_bit_formats_are_not_mixed(gpu_packages):
     with pytest.raises(RecipeError, match="`model.dtype: float16` with `bf16: true` mixes two 16-bit formats"):
         check("--model.dtype", "float16", "--bf16", "true", cuda=True, recipe="recipes/nemotron12b/dpo_12k.yaml")
-    check("--model.dtype", "bfloat16", "--bf16", "true", cuda=True, world_size=8, recipe="recipes/nemotron12b/dpo_12k.yaml")
+    check(
+        "--model.dtype",
+        "bfloat16",
+        "--bf16",
+        "true",
+        cuda=True,
+        world_size=8,
+        recipe="recipes/nemotron12b/dpo_12k.yaml",
+    )
 
 
 def test_global_batch_sets_the_accumulation_for_the_gpus_there_are(gpu_packages):
@@ -81,8 +103,15 @@ def test_global_batch_sets_the_accumulation_for_the_gpus_there_are(gpu_packages)
         assert r.trainer["gradient_accumulation_steps"] == accumulation, gpus
     with pytest.raises(RecipeError, match="not a multiple of per_device_train_batch_size \\(1\\) x 3 data-parallel"):
         check(world_size=3, cuda=True, recipe="recipes/nemotron12b/dpo_12k.yaml")
-    r = check("--data.global_batch_size", "8", "--per_device_train_batch_size", "2", world_size=2, cuda=True,
-              recipe="recipes/nemotron12b/dpo_12k.yaml")
+    r = check(
+        "--data.global_batch_size",
+        "8",
+        "--per_device_train_batch_size",
+        "2",
+        world_size=2,
+        cuda=True,
+        recipe="recipes/nemotron12b/dpo_12k.yaml",
+    )
     assert r.trainer["gradient_accumulation_steps"] == 2
 
 
@@ -105,15 +134,25 @@ def test_help_prints_the_usage_and_exits_0():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_dpo.py"), "--help"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train_dpo.py"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and proc.stderr == ""
-    for text in ("deepspeed --num_gpus 8 launch/train_dpo.py", "accelerate launch", "--resume_from_checkpoint",
-                 "--overwrite_output_dir", "Exit status", "DPOConfig"):
+    for text in (
+        "deepspeed --num_gpus 8 launch/train_dpo.py",
+        "accelerate launch",
+        "--resume_from_checkpoint",
+        "--overwrite_output_dir",
+        "Exit status",
+        "DPOConfig",
+    ):
         assert text in proc.stdout, text
     import dataclasses
 
-    from recipes.config import SECTIONS
+    from longdpo.config import SECTIONS
 
     for section, cls in SECTIONS.items():  # every key of ours, with its one-line documentation
         for f in dataclasses.fields(cls):
@@ -140,16 +179,19 @@ def test_yaml_no_means_the_word_no():
     assert r.trainer["save_strategy"] == "no"
 
 
-@pytest.mark.parametrize("text,message", [
-    (json.dumps({"prompt": "a", "chosen": "b"}) + "\n", r"lack column\(s\) \['rejected'\]"),
-    ("", "are empty"),
-    ('{"prompt": "a", "chosen": "b", "rejected": \n', "line 1 is not JSON"),
-    ("not json at all\n", "line 1 is not JSON .*one JSON object per line"),
-    ('["a", "list"]\n', "line 1 is a JSON list, not an object"),
-    (json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n{broken\n", "could not be read"),  # datasets'
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (json.dumps({"prompt": "a", "chosen": "b"}) + "\n", r"lack column\(s\) \['rejected'\]"),
+        ("", "are empty"),
+        ('{"prompt": "a", "chosen": "b", "rejected": \n', "line 1 is not JSON"),
+        ("not json at all\n", "line 1 is not JSON .*one JSON object per line"),
+        ('["a", "list"]\n', "line 1 is a JSON list, not an object"),
+        (json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n{broken\n", "could not be read"),  # datasets'
+    ],
+)
 def test_bad_data_files(tmp_path, text, message):
-    from recipes.data import load_preferences
+    from longdpo.data import load_preferences
 
     f = tmp_path / "d.jsonl"
     f.write_text(text)
@@ -176,24 +218,38 @@ def test_entrypoint_without_recipe_names_the_flag(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train_dpo.py")], capture_output=True,
-                          text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "train_dpo.py")], capture_output=True, text=True, cwd=ROOT
+    )
     assert proc.returncode == 2 and "pass `--recipe" in proc.stderr
 
 
 def test_launcher_arguments_are_told_apart_from_overrides(monkeypatch):
-    import sys
 
     monkeypatch.setenv("LOCAL_RANK", "0")  # parse_cli exports --local_rank; monkeypatch removes it afterwards
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    from train_dpo import parse_cli
+    from longdpo.config import parse_cli
 
     # what the deepspeed launcher passes: --local_rank first, the DeepSpeed JSON positionally
-    cli = parse_cli(["--local_rank=0", "ds_configs/zero3.json", "--recipe", "r.yaml", "--model.architecture",
-                     "other.json", "--resume_from_checkpoint", "out/checkpoint-2", "--no_final_save", "--beta=0.2"])
+    cli = parse_cli(
+        [
+            "--local_rank=0",
+            "ds_configs/zero3.json",
+            "--recipe",
+            "r.yaml",
+            "--model.architecture",
+            "other.json",
+            "--resume_from_checkpoint",
+            "out/checkpoint-2",
+            "--no_final_save",
+            "--beta=0.2",
+        ]
+    )
     assert cli["recipe"] == "r.yaml" and cli["resume"] == "out/checkpoint-2" and cli["save"] is False
-    assert cli["overrides"] == {"deepspeed": "ds_configs/zero3.json", "model": {"architecture": "other.json"},
-                                "beta": 0.2}
+    assert cli["overrides"] == {
+        "deepspeed": "ds_configs/zero3.json",
+        "model": {"architecture": "other.json"},
+        "beta": 0.2,
+    }
     assert parse_cli(["--deepspeed", "ds.json", "--recipe", "r.yaml"])["overrides"]["deepspeed"] == "ds.json"
     with pytest.raises(RecipeError, match="Unexpected argument 'stray'"):
         parse_cli(["stray"])
@@ -212,7 +268,7 @@ def test_liger_needs_its_package_and_keeps_trls_fused_head(monkeypatch):
     the Trainer is handed no Liger flag (the entrypoint applies it before our patches)."""
     import importlib.util
 
-    from recipes import liger
+    from longdpo.model import liger
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "liger_kernel" else real(n, *a))
@@ -229,7 +285,7 @@ def test_liger_needs_its_package_and_keeps_trls_fused_head(monkeypatch):
 
 
 def test_more_processes_than_gpus_names_the_launcher_flag():
-    from recipes.validate import check_processes_per_gpu
+    from longdpo.checks import check_processes_per_gpu
 
     check_processes_per_gpu(8, 8)
     with pytest.raises(RecipeError, match="8 processes on this node but 1 GPU.*--num_processes 1.*--num_gpus 1"):
@@ -246,7 +302,7 @@ def test_a_logging_integration_that_is_not_installed_is_one_line(monkeypatch):
     """`report_to: wandb` without wandb failed after both models were loaded; now at start-up."""
     import importlib.util
 
-    from recipes.validate import resolve_report_to
+    from longdpo.checks import resolve_report_to
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
@@ -283,7 +339,7 @@ def test_no_gpu_memory_check_keeps_to_what_the_machine_has(tmp_path):
     above what is free is one line naming the fix, whatever this machine's size."""
     import psutil
 
-    from recipes import planner
+    from longdpo.planner import plan as planner
 
     tiny = planner.plan(load_recipe(TINY), 1, None)
     assert planner.cpu_memory_gb(tiny, 1) < 1
@@ -300,19 +356,35 @@ def test_prompt_tokens_are_counted_as_trl_drops_pairs(conversational):
     import datasets
     from trl import DPOConfig, DPOTrainer
 
-    from recipes.config import ModelArgs
-    from recipes.data import load_preferences, prompt_tokens
-    from recipes.modeling import build_byte_tokenizer, build_model
+    from longdpo.config import ModelArgs
+    from longdpo.data import load_preferences, prompt_tokens
+    from longdpo.model.build import build_byte_tokenizer, build_model
 
     raw = load_preferences([os.path.join(ROOT, "recipes", "data", "arithmetic_preferences.jsonl")])
     if conversational:  # the same pairs as messages, through the tokenizer's chat template
-        raw = raw.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}],
-                                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                 "rejected": [{"role": "assistant", "content": r["rejected"]}]})
+        raw = raw.map(
+            lambda r: {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+        )
     tok = build_byte_tokenizer()
-    model, ref = (build_model(ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte",
-                                        dtype="float32")) for _ in range(2))
-    args = DPOConfig(output_dir="/tmp/unused", report_to="none", max_length=None, bf16=False, use_cpu=True)
+    model, ref = (
+        build_model(
+            ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
+        )
+        for _ in range(2)
+    )
+    args = DPOConfig(
+        output_dir="/tmp/unused",
+        report_to="none",
+        max_length=None,
+        bf16=False,
+        use_cpu=True,
+        activation_checkpointing=False,
+        dataloader_pin_memory=False,
+    )
     trl = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=raw, processing_class=tok).train_dataset
     assert isinstance(trl, datasets.Dataset) and len(trl) == len(raw)
     assert [prompt_tokens(tok, row) for row in raw] == [len(ids) for ids in trl["prompt_ids"]]

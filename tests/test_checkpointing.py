@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-
-from conftest import loss_and_grads
 from conftest import TINY_ARGS as TINY
+from conftest import loss_and_grads
 
-from recipes.checkpointing import INNER, POLICIES, apply_memory_patches, uses_transformers_layer_checkpointing
-from recipes.config import ModelArgs, RecipeError
-from recipes.modeling import build_model
+from longdpo.config import RecipeError
+from longdpo.model.build import build_model
+from longdpo.model.checkpointing import INNER, POLICIES, apply_memory_patches, uses_transformers_layer_checkpointing
+
 
 @pytest.fixture(scope="module")
 def reference(dpo_batch):
@@ -17,8 +17,14 @@ def reference(dpo_batch):
 
 # (policy, TiledMLP tiles, MLP chunks)
 CASES = [(p, 0, 0) for p in POLICIES if p != "none"] + [
-    ("none", 4, 0), ("layer+norm_attn", 4, 0), ("norm_attn", 2, 0),
-    ("none", 0, 4), ("layer", 0, 4), ("layer+norm_attn", 0, 4), ("norm_attn", 0, 3)]
+    ("none", 4, 0),
+    ("layer+norm_attn", 4, 0),
+    ("norm_attn", 2, 0),
+    ("none", 0, 4),
+    ("layer", 0, 4),
+    ("layer+norm_attn", 0, 4),
+    ("norm_attn", 0, 3),
+]
 
 
 @pytest.mark.parametrize("policy,tiles,chunks", CASES)
@@ -31,8 +37,9 @@ def test_loss_and_every_gradient_equal_unpatched(dpo_batch, reference, policy, t
         assert torch.allclose(g, ref_grads[name], atol=1e-6), name
 
 
-@pytest.mark.parametrize("policy,chunks", [("none", 0), ("layer", 0), ("layer+attn_mlp", 4), ("layer+norm_attn", 4),
-                                           ("norm_attn_mlp", 0)])
+@pytest.mark.parametrize(
+    "policy,chunks", [("none", 0), ("layer", 0), ("layer+attn_mlp", 4), ("layer+norm_attn", 4), ("norm_attn_mlp", 0)]
+)
 def test_lean_norm_changes_no_loss_or_gradient(dpo_batch, reference, policy, chunks):
     _, ref_loss, ref_grads, _ = reference
     model, loss, grads, wrapped = loss_and_grads(dpo_batch, policy, chunks=chunks, lean=True)
@@ -46,14 +53,18 @@ def test_lean_norm_changes_no_loss_or_gradient(dpo_batch, reference, policy, chu
 def test_lean_lm_head_changes_no_loss_or_gradient(dpo_batch, reference, monkeypatch):
     """The lean LM-head backward in place of TRL's, with the lean norms and MLP chunks: the tied head of Qwen2.5's
     small models gets the embedding's gradient plus the head's, as unpatched."""
-    from recipes import lean_lm_head
+    from longdpo import patches
+    from longdpo.model import lean_lm_head
 
     calls = []
     backward = lean_lm_head.LeanLMHeadLogProb.backward
-    monkeypatch.setattr(lean_lm_head.LeanLMHeadLogProb, "backward",
-                        staticmethod(lambda ctx, *grads: calls.append(1) or backward(ctx, *grads)))
+    monkeypatch.setattr(
+        lean_lm_head.LeanLMHeadLogProb,
+        "backward",
+        staticmethod(lambda ctx, *grads: calls.append(1) or backward(ctx, *grads)),
+    )
     _, ref_loss, ref_grads, _ = reference
-    with lean_lm_head.routed(True):
+    with patches.trl_log_prob_function(True):
         model, loss, grads, _ = loss_and_grads(dpo_batch, "layer", chunks=2, lean=True)
     assert calls  # the lean backward ran
     assert model.config.tie_word_embeddings == (model.config.model_type == "qwen2")
@@ -68,14 +79,18 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks)
     checkpoint, three times (forward, the layer's replay, its own recompute) - except the MLP, the layer's last
     module: torch's early stop ends the layer's replay once the MLP's input is saved, so it runs twice. A tiled MLP
     runs once per tile in forward and once per tile in backward (and once more per tile in a layer replay). A
-    chunked MLP runs each chunk twice, nested or not: the layer's replay saves the chunks' inputs without running them."""
+    chunked MLP runs each chunk twice, nested or not: the layer's replay saves the chunks' inputs without running
+    them."""
     model, _, _, wrapped = loss_and_grads(dpo_batch, policy, tiles, chunks)
     layer = model.model.layers[0]
     nested = uses_transformers_layer_checkpointing(policy)
     inner = INNER.get(policy.removeprefix("layer+"), ())
     expected = 3 if nested else 2
-    targets = {"norm": [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm],
-               "attn": [layer.self_attn], "mlp": [] if (tiles or chunks) else [layer.mlp]}
+    targets = {
+        "norm": [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm],
+        "attn": [layer.self_attn],
+        "mlp": [] if (tiles or chunks) else [layer.mlp],
+    }
     for kind in inner:
         for module in targets[kind]:
             last_or_outside = module is layer.mlp or module is model.model.norm
@@ -151,7 +166,13 @@ def test_unknown_policy_and_unsupported_model_are_clear_errors():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(RecipeError, match="support mistral, llama, qwen2, qwen3"):
         apply_memory_patches(gpt2, "norm_attn")
-    assert apply_memory_patches(gpt2, "layer") == {"norm": 0, "attn": 0, "mlp": 0, "tiled_mlp": 0, "chunked_mlp": 0,
-                                                     "lean_norm": 0}
+    assert apply_memory_patches(gpt2, "layer") == {
+        "norm": 0,
+        "attn": 0,
+        "mlp": 0,
+        "tiled_mlp": 0,
+        "chunked_mlp": 0,
+        "lean_norm": 0,
+    }
     with pytest.raises(RecipeError, match="Set one of `memory.tiled_mlp` and `memory.mlp_chunks`"):
         apply_memory_patches(build_model(TINY), "layer", tiled_mlp=2, mlp_chunks=2)

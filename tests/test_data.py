@@ -5,12 +5,17 @@ import json
 import datasets
 import pytest
 
-from recipes.data import length_report, load_preferences, synthetic_pairs
+from longdpo.data import length_report, load_preferences, synthetic_pairs
 
 STANDARD = [{"prompt": f"q{i}", "chosen": f" good {i}", "rejected": f" bad {i}"} for i in range(6)]
-CONVERSATIONAL = [{"prompt": [{"role": "user", "content": f"q{i}"}],
-                   "chosen": [{"role": "assistant", "content": "good"}],
-                   "rejected": [{"role": "assistant", "content": "bad"}]} for i in range(6)]
+CONVERSATIONAL = [
+    {
+        "prompt": [{"role": "user", "content": f"q{i}"}],
+        "chosen": [{"role": "assistant", "content": "good"}],
+        "rejected": [{"role": "assistant", "content": "bad"}],
+    }
+    for i in range(6)
+]
 
 
 @pytest.mark.parametrize("rows", [STANDARD, CONVERSATIONAL], ids=["standard", "conversational"])
@@ -35,22 +40,32 @@ def test_sources_and_formats(tmp_path, rows, kind):
 
 
 def test_length_report_counts_truncated_and_dropped():
-    tokenized = {"prompt_ids": [[1] * 3, [1] * 5, [1] * 2], "chosen_ids": [[1] * 4, [1] * 1, [1] * 9],
-                 "rejected_ids": [[1] * 2, [1] * 6, [1] * 1]}
+    tokenized = {
+        "prompt_ids": [[1] * 3, [1] * 5, [1] * 2],
+        "chosen_ids": [[1] * 4, [1] * 1, [1] * 9],
+        "rejected_ids": [[1] * 2, [1] * 6, [1] * 1],
+    }
     report = length_report(tokenized, n_raw=5, max_length=8)
     # lengths: 3+4=7, 5+6=11, 2+9=11 -> sorted [7, 11, 11]
-    assert report == {"pairs": 3, "tokens_p50": 11, "tokens_p90": 11, "tokens_max": 11, "truncated": 2,
-                      "tokens_lost_share": round(6 / 29, 4), "dropped": 2, "max_length": 8}
+    assert report == {
+        "pairs": 3,
+        "tokens_p50": 11,
+        "tokens_p90": 11,
+        "tokens_max": 11,
+        "truncated": 2,
+        "tokens_lost_share": round(6 / 29, 4),
+        "dropped": 2,
+        "max_length": 8,
+    }
 
 
 def test_synthetic_pairs_have_exact_token_lengths():
     """Through TRL's own tokenization (which appends EOS to each completion), prompt + completion == seq_tokens."""
     from trl import DPOConfig, DPOTrainer
 
-    from recipes.config import ModelArgs
-    from recipes.modeling import build_byte_tokenizer, build_model
-
-    from recipes.data import WORKLOADS, workload
+    from longdpo.config import ModelArgs
+    from longdpo.data import WORKLOADS, workload
+    from longdpo.model.build import build_byte_tokenizer, build_model
 
     model_args = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
     # (prompt, chosen completion, rejected completion) in tokens, EOS included, for a 300-token sequence
@@ -58,9 +73,20 @@ def test_synthetic_pairs_have_exact_token_lengths():
     assert set(expected) == set(WORKLOADS)
     for name, (prompt, chosen, rejected) in expected.items():
         rows = synthetic_pairs(**workload(name, 300, pairs=3))
-        trainer = DPOTrainer(model=build_model(model_args), ref_model=build_model(model_args),
-                             args=DPOConfig(output_dir="/tmp/unused", report_to="none", bf16=False, max_length=300),
-                             train_dataset=datasets.Dataset.from_list(rows), processing_class=build_byte_tokenizer())
+        trainer = DPOTrainer(
+            model=build_model(model_args),
+            ref_model=build_model(model_args),
+            args=DPOConfig(
+                output_dir="/tmp/unused",
+                report_to="none",
+                bf16=False,
+                max_length=300,
+                activation_checkpointing=False,
+                dataloader_pin_memory=False,
+            ),
+            train_dataset=datasets.Dataset.from_list(rows),
+            processing_class=build_byte_tokenizer(),
+        )
         for ex in trainer.train_dataset:
             got = (len(ex["prompt_ids"]), len(ex["chosen_ids"]), len(ex["rejected_ids"]))
             assert got == (prompt, chosen, rejected), name
@@ -68,6 +94,7 @@ def test_synthetic_pairs_have_exact_token_lengths():
 
 
 # ---- Hub-style datasets, column mapping, mixtures (local stand-ins; the same load_dataset call as a Hub id) --------
+
 
 def dataset_folder(root, name, rows_train, rows_test=0, cols=("question", "good", "bad")):
     """A dataset laid out as on the Hub: data/train.jsonl and data/test.jsonl, with the user's own column names."""
@@ -82,8 +109,8 @@ def dataset_folder(root, name, rows_train, rows_test=0, cols=("question", "good"
 
 
 def data_args(**kw):
-    from recipes.config import DataArgs
-    from recipes.data import check_data_args
+    from longdpo.config import DataArgs
+    from longdpo.data import check_data_args
 
     args = DataArgs(**kw)
     check_data_args(args)
@@ -91,11 +118,12 @@ def data_args(**kw):
 
 
 def test_a_dataset_by_name_with_split_and_column_mapping(tmp_path):
-    from recipes.data import load_eval_data, load_train_data
+    from longdpo.data import load_eval_data, load_train_data
 
     name = dataset_folder(tmp_path, "prefs", 10, 3)
-    args = data_args(dataset_name=name, eval_split="test",
-                     columns={"prompt": "question", "chosen": "good", "rejected": "bad"})
+    args = data_args(
+        dataset_name=name, eval_split="test", columns={"prompt": "question", "chosen": "good", "rejected": "bad"}
+    )
     train, test = load_train_data(args), load_eval_data(args)
     assert (len(train), len(test)) == (10, 3)
     assert train.column_names == ["prompt", "chosen", "rejected"] and train[0]["prompt"] == "prefs q0"
@@ -104,15 +132,20 @@ def test_a_dataset_by_name_with_split_and_column_mapping(tmp_path):
 def test_a_mixture_takes_each_sources_fraction_and_its_test_split(tmp_path):
     """alignment-handbook's dataset_mixer: the first fraction of each source's train rows, concatenated and shuffled;
     the test splits whole."""
-    from recipes.data import load_eval_data, load_train_data
+    from longdpo.data import load_eval_data, load_train_data
 
     mapping = {"prompt": "question", "chosen": "good", "rejected": "bad"}
     a = dataset_folder(tmp_path, "a", 10, 4)
     b = dataset_folder(tmp_path, "b", 6, 2, cols=("prompt", "chosen", "rejected"))
     files = tmp_path / "c.jsonl"
     files.write_text("".join(json.dumps(r) + "\n" for r in STANDARD))
-    args = data_args(mixture=[{"name": a, "fraction": 0.5, "columns": mapping, "test_split": "test"},
-                              {"name": b, "test_split": "test"}, {"files": [str(files)], "fraction": 0.5}])
+    args = data_args(
+        mixture=[
+            {"name": a, "fraction": 0.5, "columns": mapping, "test_split": "test"},
+            {"name": b, "test_split": "test"},
+            {"files": [str(files)], "fraction": 0.5},
+        ]
+    )
     train, test = load_train_data(args), load_eval_data(args)
     assert len(train) == 5 + 6 + 3 and len(test) == 4 + 2
     prompts = train["prompt"]
@@ -120,27 +153,34 @@ def test_a_mixture_takes_each_sources_fraction_and_its_test_split(tmp_path):
     assert prompts != sorted(prompts, key=lambda p: (not p.startswith("a"), not p.startswith("b")))  # shuffled
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"dataset_name": "x", "train_files": ["recipes/data/arithmetic_preferences.jsonl"]},
-     "Set one source of training data; `data.train_files` and `data.dataset_name`"),
-    ({"train_files": ["recipes/data/arithmetic_preferences.jsonl"], "columns": {"question": "prompt"}},
-     r"`data.columns` maps TRL's column names to yours"),
-    ({"mixture": [{"name": "a", "fraction": 1.5}]}, r"`data.mixture\[0\].fraction` is the share .* in \(0, 1\]"),
-    ({"mixture": [{"name": "a", "weight": 1}]}, r"`data.mixture\[0\]` has unknown key\(s\) \['weight'\]"),
-    ({"mixture": [{"name": "a", "files": ["b.jsonl"]}]}, "needs exactly one of `name`"),
-    ({"mixture": [{"files": ["nope.jsonl"]}]}, r"`data.mixture\[0\].files` entry 'nope.jsonl' does not exist"),
-    ({"train_files": ["recipes/data/arithmetic_preferences.jsonl"], "eval_split": "test"}, "for files use"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (
+            {"dataset_name": "x", "train_files": ["recipes/data/arithmetic_preferences.jsonl"]},
+            "Set one source of training data; `data.train_files` and `data.dataset_name`",
+        ),
+        (
+            {"train_files": ["recipes/data/arithmetic_preferences.jsonl"], "columns": {"question": "prompt"}},
+            r"`data.columns` maps TRL's column names to yours",
+        ),
+        ({"mixture": [{"name": "a", "fraction": 1.5}]}, r"`data.mixture\[0\].fraction` is the share .* in \(0, 1\]"),
+        ({"mixture": [{"name": "a", "weight": 1}]}, r"`data.mixture\[0\]` has unknown key\(s\) \['weight'\]"),
+        ({"mixture": [{"name": "a", "files": ["b.jsonl"]}]}, "needs exactly one of `name`"),
+        ({"mixture": [{"files": ["nope.jsonl"]}]}, r"`data.mixture\[0\].files` entry 'nope.jsonl' does not exist"),
+        ({"train_files": ["recipes/data/arithmetic_preferences.jsonl"], "eval_split": "test"}, "for files use"),
+    ],
+)
 def test_bad_data_sections_are_one_line_before_anything_is_read(kw, message):
-    from recipes.config import RecipeError
+    from longdpo.config import RecipeError
 
     with pytest.raises(RecipeError, match=message):
         data_args(**kw)
 
 
 def test_a_mapped_column_that_is_not_there_names_the_columns_found(tmp_path):
-    from recipes.config import RecipeError
-    from recipes.data import load_train_data
+    from longdpo.config import RecipeError
+    from longdpo.data import load_train_data
 
     args = data_args(dataset_name=dataset_folder(tmp_path, "p", 3), columns={"prompt": "query"})
     with pytest.raises(RecipeError, match=r"maps from column\(s\) \['query'\] .*found \['question', 'good', 'bad'\]"):
@@ -150,14 +190,16 @@ def test_a_mapped_column_that_is_not_there_names_the_columns_found(tmp_path):
 def test_an_uncached_hub_dataset_offline_is_one_line(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from recipes.config import RecipeError
-    from recipes.data import load_train_data
+    from longdpo.config import RecipeError
+    from longdpo.data import load_train_data
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    with pytest.raises(RecipeError, match=r"`data.dataset_name` 'someone/prefs' .* could not be loaded \(HF_HUB_OFFLINE"):
+    with pytest.raises(
+        RecipeError, match=r"`data.dataset_name` 'someone/prefs' .* could not be loaded \(HF_HUB_OFFLINE"
+    ):
         load_train_data(data_args(dataset_name="someone/prefs"))
 
 
@@ -168,18 +210,36 @@ def test_the_entrypoint_trains_on_a_mixture_and_evaluates_on_its_test_splits(tmp
 
     a = dataset_folder(tmp_path, "a", 16, 4)
     b = dataset_folder(tmp_path, "b", 8, 4, cols=("prompt", "chosen", "rejected"))
-    mixture = (f"[{{name: {a}, fraction: 0.5, test_split: test, columns: {{prompt: question, chosen: good, "
-               f"rejected: bad}}}}, {{name: {b}, test_split: test}}]")
-    proc = run_train(tmp_path / "out", "--data.train_files", "[]", "--data.mixture", mixture, "--max_steps", "2",
-                     "--save_strategy", "no", "--report_to", "none", "--eval_strategy", "steps", "--eval_steps", "2",
-                     "--per_device_eval_batch_size", "4")
+    mixture = (
+        f"[{{name: {a}, fraction: 0.5, test_split: test, columns: {{prompt: question, chosen: good, "
+        f"rejected: bad}}}}, {{name: {b}, test_split: test}}]"
+    )
+    proc = run_train(
+        tmp_path / "out",
+        "--data.train_files",
+        "[]",
+        "--data.mixture",
+        mixture,
+        "--max_steps",
+        "2",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+        "--per_device_eval_batch_size",
+        "4",
+    )
     s = summary(tmp_path / "out")
     assert s["length_report"]["pairs"] == 8 + 8 and abs(s["losses"][0] - math.log(2)) < 1e-4
     assert "'eval_loss'" in proc.stdout  # the 4 + 4 test rows were evaluated at step 2
 
 
 def test_truncation_is_a_warning_with_the_count_and_the_share_of_tokens_lost():
-    from recipes.data import truncation_warning
+    from longdpo.data import truncation_warning
 
     tokenized = {"prompt_ids": [[1] * 3, [1] * 5], "chosen_ids": [[1] * 4, [1] * 1], "rejected_ids": [[1] * 2, [1] * 6]}
     report = length_report(tokenized, n_raw=2, max_length=8)  # 7 and 11 tokens: one pair loses 3 of 18 tokens

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import run_train
 
-from recipes.distributed import run_job, skip_cpu_shm_allreduce, stale_build_locks
+from longdpo.cluster.distributed import run_job, stale_build_locks
+from longdpo.patches import distributed_on_cpu
 
 
 def _running(pid: int) -> bool:
@@ -40,7 +41,7 @@ def test_a_job_that_finishes_keeps_its_code_and_output():
 def test_deepspeed_builds_no_shared_memory_allreduce_on_cpu():
     from deepspeed.comm.torch import build_shm_op
 
-    assert skip_cpu_shm_allreduce()
+    assert distributed_on_cpu()
     assert build_shm_op() is None  # what DeepSpeed's TorchBackend calls at init_distributed
 
 

@@ -8,13 +8,24 @@ import math
 import pytest
 from conftest import TINY, run_train, summary
 
-LEVERS = ["--memory.checkpointing", "layer+norm_attn", "--memory.lean_norm", "true", "--memory.lean_lm_head", "true",
-          "--memory.mlp_chunks", "2"]
+LEVERS = [
+    "--memory.checkpointing",
+    "layer+norm_attn",
+    "--memory.lean_norm",
+    "true",
+    "--memory.lean_lm_head",
+    "true",
+    "--memory.mlp_chunks",
+    "2",
+]
 RUN = ["--max_steps", "3", "--save_strategy", "no", "--report_to", "none", "--per_device_train_batch_size", "2"]
 FAMILIES = {"llama3": "byte-llama3", "qwen2_5": "byte-chatml", "qwen3": "byte-chatml", "mistral": "byte-mistral"}
 # what the family's template puts around a user turn (the real tokens, one token each)
-MARKS = {"byte-llama3": "<|start_header_id|>user<|end_header_id|>", "byte-chatml": "<|im_start|>user",
-         "byte-mistral": "[INST]"}
+MARKS = {
+    "byte-llama3": "<|start_header_id|>user<|end_header_id|>",
+    "byte-chatml": "<|im_start|>user",
+    "byte-mistral": "[INST]",
+}
 
 
 def conversations(path, n=12, system=False):
@@ -22,14 +33,28 @@ def conversations(path, n=12, system=False):
         for i in range(n):
             turns = [{"role": "system", "content": "Answer briefly."}] if system else []
             turns.append({"role": "user", "content": f"What is {i} + {i}?"})
-            f.write(json.dumps({"prompt": turns, "chosen": [{"role": "assistant", "content": f"{2 * i}."}],
-                                "rejected": [{"role": "assistant", "content": f"{2 * i + 1}, I think."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": turns,
+                        "chosen": [{"role": "assistant", "content": f"{2 * i}."}],
+                        "rejected": [{"role": "assistant", "content": f"{2 * i + 1}, I think."}],
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
 def family_args(name, data):
-    return ["--model.architecture", f"recipes/architectures/tiny_{name}.json", "--model.tokenizer", FAMILIES[name],
-            "--data.train_files", f"[{data}]"]
+    return [
+        "--model.architecture",
+        f"recipes/architectures/tiny_{name}.json",
+        "--model.tokenizer",
+        FAMILIES[name],
+        "--data.train_files",
+        f"[{data}]",
+    ]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -40,8 +65,10 @@ def test_each_family_trains_with_every_lever_on_its_chat_template(tmp_path, name
     assert abs(s["losses"][0] - math.log(2)) < 1e-4 and s["losses"][-1] < s["losses"][0]
     assert s["wrapped"]["lean_norm"] == (4 if name == "qwen3" else 2) * 2 + 1  # Qwen3's q_norm / k_norm too
     assert s["wrapped"]["chunked_mlp"] == 2 and s["wrapped"]["attn"] == 2
-    template = json.load(open(tmp_path / "out" / "tokenizer_config.json")).get("chat_template") or \
-        open(tmp_path / "out" / "chat_template.jinja").read()
+    template = (
+        json.load(open(tmp_path / "out" / "tokenizer_config.json")).get("chat_template")
+        or open(tmp_path / "out" / "chat_template.jinja").read()
+    )
     assert MARKS[FAMILIES[name]].split("user")[0] in template
 
 
@@ -51,8 +78,15 @@ def test_tied_embeddings_under_two_process_zero3_equal_one_process(tmp_path):
     AdamW and departs from step 2 on, for every family.)"""
     data = conversations(tmp_path / "chat.jsonl", n=16)
     for name in ("qwen2_5",):
-        run_train(tmp_path / f"{name}_1", *RUN, "--per_device_train_batch_size", "4", *family_args(name, data),
-                  launcher="deepspeed", procs=1)
+        run_train(
+            tmp_path / f"{name}_1",
+            *RUN,
+            "--per_device_train_batch_size",
+            "4",
+            *family_args(name, data),
+            launcher="deepspeed",
+            procs=1,
+        )
         run_train(tmp_path / f"{name}_2", *RUN, *family_args(name, data), *LEVERS, launcher="deepspeed", procs=2)
         one, two = summary(tmp_path / f"{name}_1"), summary(tmp_path / f"{name}_2")
         assert two["world_size"] == 2 and two["built_partitioned"]
@@ -61,27 +95,33 @@ def test_tied_embeddings_under_two_process_zero3_equal_one_process(tmp_path):
 
 def test_a_role_the_template_refuses_is_one_line_before_loading(tmp_path):
     """Mistral's template accepts user and assistant turns only: a system turn stops the run at start-up, quoted."""
-    from recipes.config import RecipeError
-    from recipes.data import check_chat_template, load_preferences
-    from recipes.modeling import build_byte_tokenizer
+    from longdpo.config import RecipeError
+    from longdpo.data import check_chat_template, load_preferences
+    from longdpo.model.build import build_byte_tokenizer
 
     data = load_preferences([conversations(tmp_path / "chat.jsonl", system=True)])
-    with pytest.raises(RecipeError, match=r"row 0: the chat template refuses it \(Conversation roles must alternate.*"
-                                          r"`model.chat_template`"):
+    with pytest.raises(
+        RecipeError,
+        match=r"row 0: the chat template refuses it \(Conversation roles must alternate.*"
+        r"`model.chat_template`",
+    ):
         check_chat_template(build_byte_tokenizer("byte-mistral"), data)
 
 
 def test_a_template_that_drops_a_role_is_a_warning_with_a_count(tmp_path):
-    from recipes.data import check_chat_template, load_preferences
-    from recipes.modeling import build_byte_tokenizer
+    from longdpo.data import check_chat_template, load_preferences
+    from longdpo.model.build import build_byte_tokenizer
 
     data = load_preferences([conversations(tmp_path / "chat.jsonl", system=True)])
     tokenizer = build_byte_tokenizer()
-    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<|{{ m['role'] }}|>"
-                               "{{ m['content'] }}</s>{% endif %}{% endfor %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'system' %}<|{{ m['role'] }}|>"
+        "{{ m['content'] }}</s>{% endif %}{% endfor %}"
+    )
     warning = check_chat_template(tokenizer, data)
-    assert warning.startswith("chat template: 12 of the first 12 pairs have messages the template leaves out (roles: "
-                              "system)")
+    assert warning.startswith(
+        "chat template: 12 of the first 12 pairs have messages the template leaves out (roles: system)"
+    )
     assert check_chat_template(build_byte_tokenizer("byte-chatml"), data) is None  # ChatML keeps system turns
 
 
@@ -94,19 +134,31 @@ def test_conversations_without_a_chat_template_name_the_key(tmp_path, tiny_model
     config.pop("chat_template", None)
     json.dump(config, open(model / "tokenizer_config.json", "w"))
     (model / "chat_template.jinja").unlink(missing_ok=True)
-    from recipes.config import ModelArgs, RecipeError
-    from recipes.data import check_chat_template, load_preferences
-    from recipes.modeling import load_tokenizer
+    from longdpo.config import ModelArgs, RecipeError
+    from longdpo.data import check_chat_template, load_preferences
+    from longdpo.model.build import load_tokenizer
 
     data = conversations(tmp_path / "chat.jsonl")
-    with pytest.raises(RecipeError, match="holds conversations but the tokenizer has no chat template: set "
-                                          "`model.chat_template`"):
+    with pytest.raises(
+        RecipeError, match="holds conversations but the tokenizer has no chat template: set `model.chat_template`"
+    ):
         check_chat_template(load_tokenizer(ModelArgs(name_or_path=str(model))), load_preferences([data]))
-    base = [*RUN, "--model.architecture", "null", "--model.tokenizer", "null", "--model.name_or_path", str(model),
-            "--data.train_files", f"[{data}]"]
+    base = [
+        *RUN,
+        "--model.architecture",
+        "null",
+        "--model.tokenizer",
+        "null",
+        "--model.name_or_path",
+        str(model),
+        "--data.train_files",
+        f"[{data}]",
+    ]
     # an inline template fixes it
-    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}" \
-               "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     run_train(tmp_path / "out2", *base, "--model.chat_template", template)
     assert abs(summary(tmp_path / "out2")["losses"][0] - math.log(2)) < 1e-4
 
@@ -114,8 +166,8 @@ def test_conversations_without_a_chat_template_name_the_key(tmp_path, tiny_model
 def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, tiny_model_dir):
     import shutil
 
-    from recipes.config import ModelArgs, RecipeError
-    from recipes.modeling import check_model_args
+    from longdpo.config import ModelArgs, RecipeError
+    from longdpo.model.build import check_model_args
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
@@ -129,15 +181,30 @@ def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, tiny_model_dir
 
 def test_a_family_outside_the_supported_ones_runs_plain_and_names_the_lever(tmp_path):
     gpt2 = tmp_path / "gpt2.json"
-    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 320,
-                                "n_positions": 256, "bos_token_id": 1, "eos_token_id": 2}))
-    from recipes.config import RecipeError, load_recipe, parse_overrides
-    from recipes.validate import check_recipe
+    gpt2.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": 2,
+                "n_embd": 32,
+                "n_head": 2,
+                "vocab_size": 320,
+                "n_positions": 256,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            }
+        )
+    )
+    from longdpo.checks import check_recipe
+    from longdpo.config import RecipeError, load_recipe, parse_overrides
 
     base = [*RUN, "--model.architecture", str(gpt2)]
     recipe = load_recipe(TINY, parse_overrides([*base, "--memory.lean_norm", "true"]))
-    with pytest.raises(RecipeError, match=r"`memory.lean_norm` patches the decoder layers of mistral, llama, qwen2, "
-                                          r"qwen3 models .*this model is 'gpt2'"):
+    with pytest.raises(
+        RecipeError,
+        match=r"`memory.lean_norm` patches the decoder layers of mistral, llama, qwen2, "
+        r"qwen3 models .*this model is 'gpt2'",
+    ):
         check_recipe(recipe, world_size=1, cuda_available=False)
     run_train(tmp_path / "ok", *base, "--memory.checkpointing", "layer")
     assert abs(summary(tmp_path / "ok")["losses"][0] - math.log(2)) < 1e-4

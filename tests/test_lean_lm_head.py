@@ -5,7 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from trl.kernels import chunked_logprob as trl_kernel
 
-from recipes import lean_lm_head
+from longdpo import patches
+from longdpo.model import lean_lm_head
 
 
 def run(fn, hidden, weight, bias, targets, outputs):
@@ -74,9 +75,9 @@ def test_backward_never_builds_an_fp32_weight_sized_buffer(monkeypatch):
 def test_routed_swaps_trls_fused_head_only_inside_the_block():
     import trl.trainer.utils as trl_utils
 
-    with lean_lm_head.routed(False):
+    with patches.trl_log_prob_function(False):
         assert trl_utils._ChunkedLogProbFunction is lean_lm_head.HookSafeLogProb
-    with pytest.raises(RuntimeError), lean_lm_head.routed():
+    with pytest.raises(RuntimeError), patches.trl_log_prob_function(True):
         assert trl_utils._ChunkedLogProbFunction is lean_lm_head.LeanLMHeadLogProb
         raise RuntimeError("training failed")
     assert trl_utils._ChunkedLogProbFunction is trl_kernel.ChunkedLogProbFunction

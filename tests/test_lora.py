@@ -10,17 +10,40 @@ import torch
 from conftest import run_train, summary
 
 # all linear layers adapted, no dropout (so that curves can be compared across launches), 4 pairs per step
-LORA = ["--model.use_peft", "true", "--model.lora_target_modules", "all-linear", "--model.lora_dropout", "0",
-        "--model.architecture", "null", "--model.tokenizer", "null", "--report_to", "none",
-        "--max_steps", "4", "--save_steps", "2"]
+LORA = [
+    "--model.use_peft",
+    "true",
+    "--model.lora_target_modules",
+    "all-linear",
+    "--model.lora_dropout",
+    "0",
+    "--model.architecture",
+    "null",
+    "--model.tokenizer",
+    "null",
+    "--report_to",
+    "none",
+    "--max_steps",
+    "4",
+    "--save_steps",
+    "2",
+]
 # Launches that split the batch differently (1 x 4 pairs vs 2 x 2) sum every gradient in another float32 order.
 # AdamW divides each update by the gradient's own running magnitude, so an element whose gradient cancels to rounding
 # level moves by an amount set by that rounding (seen: 1 of 20,480 adapter elements 2.8e-5 apart on one CPU, all
 # others within 1e-5): no element-wise tolerance below the learning rate holds under AdamW. Under plain SGD the
 # weights differ by lr x (the gradients' rounding difference) per step; see the bound in the test below.
 SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0"]
-LEVERS = ["--memory.checkpointing", "layer+norm_attn", "--memory.lean_norm", "true", "--memory.lean_lm_head", "true",
-          "--memory.mlp_chunks", "2"]
+LEVERS = [
+    "--memory.checkpointing",
+    "layer+norm_attn",
+    "--memory.lean_norm",
+    "true",
+    "--memory.lean_lm_head",
+    "true",
+    "--memory.mlp_chunks",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +57,17 @@ def plain(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_one(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_ds1")
-    run_train(out, *LORA, *SGD, "--model.name_or_path", tiny_model_dir, "--per_device_train_batch_size", "4",
-              launcher="deepspeed", procs=1)
+    run_train(
+        out,
+        *LORA,
+        *SGD,
+        "--model.name_or_path",
+        tiny_model_dir,
+        "--per_device_train_batch_size",
+        "4",
+        launcher="deepspeed",
+        procs=1,
+    )
     return out
 
 
@@ -100,8 +132,18 @@ def test_two_process_zero3_with_levers_equals_one_process(zero3_one, tiny_model_
     Bound on the adapter: every gradient element is at most the step's gradient norm (< 0.7 here); reordering a
     float32 sum moves it by a few ulps of the largest partial sum, under 1e-6 relative. Over 4 SGD steps of lr 0.5
     that is at most 4 x 0.5 x 0.7 x 1e-6 = 1.4e-6 per weight, inside 1e-5 (measured: 6e-8)."""
-    run_train(tmp_path, *LORA, *LEVERS, *SGD, "--model.name_or_path", tiny_model_dir,
-              "--per_device_train_batch_size", "2", launcher="deepspeed", procs=2)
+    run_train(
+        tmp_path,
+        *LORA,
+        *LEVERS,
+        *SGD,
+        "--model.name_or_path",
+        tiny_model_dir,
+        "--per_device_train_batch_size",
+        "2",
+        launcher="deepspeed",
+        procs=2,
+    )
     one, two = summary(zero3_one), summary(tmp_path)
     assert two["world_size"] == 2 and two["built_partitioned"]
     assert abs(one["losses"][0] - math.log(2)) < 1e-4 and one["losses"][-1] < one["losses"][0]

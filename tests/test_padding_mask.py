@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY, loss_and_grads, run_train, summary
 
-from recipes import padding_mask
+from longdpo.model import padding_mask
 
 
 def metrics_after(dpo_batch, **kwargs):
@@ -49,7 +49,7 @@ def test_unequal_pairs_give_the_masked_paths_loss_metrics_and_gradients(dpo_batc
 
 def test_the_attention_gets_no_mask_only_when_the_batch_is_right_padded(dpo_batch):
     _, inputs, family = dpo_batch
-    from recipes.modeling import build_model
+    from longdpo.model.build import build_model
 
     model = build_model(family)
     assert all(m is not None for m in masks_seen_by_attention(model, inputs))  # TRL's path: a mask per layer
@@ -64,7 +64,7 @@ def test_right_padding_and_the_start_up_decision():
     assert padding_mask.right_padded(ones_then_zeros)
     assert not padding_mask.right_padded(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))  # left padding
     assert not padding_mask.right_padded(torch.tensor([[1, 0, 1, 0]]))  # a hole: packed or custom
-    from recipes.modeling import build_model
+    from longdpo.model.build import build_model
 
     config = build_model(__import__("conftest").TINY_ARGS).config
     assert padding_mask.decide("auto", config)[0] and not padding_mask.decide("keep", config)[0]
@@ -83,6 +83,15 @@ def test_entrypoint_curve_and_metrics_equal_with_and_without_the_mask(tmp_path):
     assert "attention: TRL's padding mask is kept" in keep.stdout
     a, k = summary(tmp_path / "auto")["train_logs"], summary(tmp_path / "keep")["train_logs"]
     for x, y in zip(a, k):
-        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen",
-                    "entropy", "num_tokens", "num_input_tokens_seen"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "rewards/chosen",
+            "rewards/margins",
+            "logps/rejected",
+            "logits/chosen",
+            "entropy",
+            "num_tokens",
+            "num_input_tokens_seen",
+        ):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), key

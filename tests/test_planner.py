@@ -6,15 +6,23 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_train
+from conftest import FAULTS, ROOT, TINY, run_train
 from transformers import MistralConfig
 
-from recipes.planner import Setup, count_params, load_calibration, predict
+from longdpo.planner.plan import Setup, count_params, load_calibration, predict
 
 
 def test_parameter_count_of_the_12b_architecture_by_hand():
-    cfg = MistralConfig(hidden_size=5120, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
-                        num_key_value_heads=8, head_dim=128, vocab_size=131072, tie_word_embeddings=False)
+    cfg = MistralConfig(
+        hidden_size=5120,
+        intermediate_size=14336,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=131072,
+        tie_word_embeddings=False,
+    )
     total, layer, embed = count_params(cfg)
     attn = 5120 * 4096 + 2 * 5120 * 1024 + 4096 * 5120  # q, k, v, o
     mlp = 3 * 5120 * 14336
@@ -25,18 +33,32 @@ def test_parameter_count_of_the_12b_architecture_by_hand():
 
 def test_zero3_arithmetic_by_hand():
     """8 ranks, ZeRO-3, AdamW, stock checkpointing, one 12,288-token pair, written out term by term."""
-    cal = {"hidden": 5120, "pinned_factor": 1.0, "allocator_factors": {},
-           "configs": {"stock": {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}}}
+    cal = {
+        "hidden": 5120,
+        "pinned_factor": 1.0,
+        "allocator_factors": {},
+        "configs": {"stock": {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}},
+    }
     p, layer, embed = 12_247_782_400, 272_640_000, 671_088_640
-    s = Setup(params=p, layer_params=layer, embed_params=embed, layers=40, hidden=5120, seq=12288, ranks=8,
-              ranks_per_node=8, zero3=True, config="stock")
+    s = Setup(
+        params=p,
+        layer_params=layer,
+        embed_params=embed,
+        layers=40,
+        hidden=5120,
+        seq=12288,
+        ranks=8,
+        ranks_per_node=8,
+        zero3=True,
+        config="stock",
+    )
     tokens = 2 * 12288
-    states = 16 * p / 8                      # bf16 param + bf16 grad + fp32 master, m, v, sharded 8 ways
-    ref = 2 * p / 8                          # bf16 reference, sharded
-    gathered = 2 * embed                     # the largest gathered weight: the 131072 x 5120 embedding
-    stored = tokens * 40 * 5120 * 2          # each layer checkpoint keeps its bf16 input
-    peak_layer = tokens * 100_000            # calibrated per-token peak
-    step = 4 * 1e9                           # uncalibrated: 4 bytes per parameter of one 1e9-parameter sub-group
+    states = 16 * p / 8  # bf16 param + bf16 grad + fp32 master, m, v, sharded 8 ways
+    ref = 2 * p / 8  # bf16 reference, sharded
+    gathered = 2 * embed  # the largest gathered weight: the 131072 x 5120 embedding
+    stored = tokens * 40 * 5120 * 2  # each layer checkpoint keeps its bf16 input
+    peak_layer = tokens * 100_000  # calibrated per-token peak
+    step = 4 * 1e9  # uncalibrated: 4 bytes per parameter of one 1e9-parameter sub-group
     backward = gathered + stored + peak_layer
     allocated = states + ref + max(backward, step)
     out = predict(s, cal, gpu_memory_gb=80)
@@ -58,7 +80,9 @@ def test_zero3_arithmetic_by_hand():
     assert off.host_per_node_gb == round(12 * p / 8 * 8 / 1e9, 1)  # 8 ranks of a node, 12 bytes each per param
     both = predict(Setup(**{**s.__dict__, "offload_optimizer": True, "offload_param": True}), cal)
     # 12 optimizer + 2 policy params + 2 reference params per parameter, over the node's 8 ranks
-    assert both.host_per_node_gb == round(16 * p / 1e9, 1) and both.breakdown["model_states"] == round(2 * p / 8 / 1e9, 2)
+    assert both.host_per_node_gb == round(16 * p / 1e9, 1) and both.breakdown["model_states"] == round(
+        2 * p / 8 / 1e9, 2
+    )
     assert both.breakdown["reference_model"] == 0
     # activation offloading: nothing stored per layer on the GPU, pinned host memory instead
     cal["configs"]["stock+offload"] = {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}
@@ -72,7 +96,7 @@ def test_zero3_arithmetic_by_hand():
 
 
 def test_every_committed_gpu_result_is_predicted_within_10_percent():
-    from recipes.calibration import measured_rows, setup_from_result
+    from longdpo.planner.calibration import measured_rows, setup_from_result
 
     rows = list(measured_rows())
     assert len(rows) >= 10
@@ -85,10 +109,13 @@ def test_every_committed_gpu_result_is_predicted_within_10_percent():
 def test_the_80_gb_real_path_run_is_predicted_to_fit():
     """Real ZeRO-3, 8 layers, 12,288 tokens, layer+lean+chunked3+head+offload measured 75.9 GB reserved under an
     80 GB cap; the planner once predicted 96.7 GB and preflight refused the run."""
-    from recipes.calibration import measured_rows, setup_from_result
+    from longdpo.planner.calibration import measured_rows, setup_from_result
 
-    rows = [(env, row) for env, row, src in measured_rows() if "real_path/len12k" in src
-            and row["config"] == "layer+lean+chunked3+head+offload"]
+    rows = [
+        (env, row)
+        for env, row, src in measured_rows()
+        if "real_path/len12k" in src and row["config"] == "layer+lean+chunked3+head+offload"
+    ]
     assert rows and rows[0][1]["peak_reserved_gb"] < 80
     plan = predict(setup_from_result(*rows[0]), load_calibration(), gpu_memory_gb=80)
     assert plan.fits, plan.peak_reserved_gb
@@ -96,8 +123,8 @@ def test_the_80_gb_real_path_run_is_predicted_to_fit():
 
 
 def test_calibration_file_is_what_the_results_give():
-    """recipes/planner_calibration.json is regenerated from results/, not edited by hand."""
-    from recipes.calibration import calibrate
+    """longdpo/planner/calibration.json is regenerated from results/, not edited by hand."""
+    from longdpo.planner.calibration import calibrate
 
     assert calibrate() == {k: v for k, v in load_calibration().items()}
 
@@ -121,25 +148,56 @@ def test_cli_verdicts(capsys, monkeypatch):
     assert "GB per node needed; this machine has" in fits.stdout and "`--host-memory` checks the nodes" in fits.stdout
     # 12.2 B parameters x (16 B of ZeRO-3 states + 2 B of 16-bit weights)
     assert "one checkpoint on disk                    220.5 GB (this recipe keeps 0)" in fits.stdout
-    saving = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--save_strategy", "steps", "--save_steps", "5",
-                 "--save_total_limit", "2")
+    saving = cli(
+        "--recipe",
+        "recipes/nemotron12b/dpo_12k.yaml",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "5",
+        "--save_total_limit",
+        "2",
+    )
     assert "220.5 GB (this recipe keeps 2)" in saving.stdout
-    too_big = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB",
-                  "--max_length", "65536", "--activation_offloading", "false", "--memory.checkpointing", "layer")
+    too_big = cli(
+        "--recipe",
+        "recipes/nemotron12b/dpo_12k.yaml",
+        "--gpus",
+        "8",
+        "--gpu-memory",
+        "80GB",
+        "--max_length",
+        "65536",
+        "--activation_offloading",
+        "false",
+        "--memory.checkpointing",
+        "layer",
+    )
     assert too_big.returncode == 1 and "DOES NOT FIT" in too_big.stdout
     fixes = too_big.stdout.split("changes that would fit (cheapest first):\n")[1].splitlines()
     assert fixes and all(line.startswith("    - ") and "activation_offloading: true" in line for line in fixes)
     # host RAM: 64k offloading pins 40 power-of-two blocks per rank; pageable memory is the first fix that fits
-    host = cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--gpus", "8", "--gpu-memory", "80GB",
-               "--host-memory", "512GB")
+    host = cli(
+        "--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--gpus", "8", "--gpu-memory", "80GB", "--host-memory", "512GB"
+    )
     assert host.returncode == 1 and "FITS in 80 GB per GPU" in host.stdout
     assert "DOES NOT FIT in 512 GB of host memory per node" in host.stdout
     first_fix = host.stdout.split("cheapest first):\n")[1].splitlines()[0]
     assert first_fix.startswith("    - memory.offload_pin_memory: false") and first_fix.endswith("host 430 GB per node")
     assert cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--host-memory", "2TB").returncode == 2
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan_memory.py"), "--recipe",
-                          "recipes/nemotron12b/dpo_12k.yaml", "--max_lenght", "5"], capture_output=True, text=True,
-                         cwd=ROOT)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch", "plan_memory.py"),
+            "--recipe",
+            "recipes/nemotron12b/dpo_12k.yaml",
+            "--max_lenght",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2 and "Did you mean `max_length`" in bad.stderr
 
 
@@ -148,16 +206,36 @@ def test_preflight_refuses_before_anything_is_written(tmp_path):
     assert proc.returncode == 2
     assert "exceeds the GPU's 0.0 GB" in proc.stdout and "--skip-preflight" in proc.stdout
     assert not os.path.exists(tmp_path / "out")
-    ok = run_train(tmp_path / "out2", "--memory.memory_cap_gb", "0.0001", "--skip-preflight", "--max_steps", "1",
-                   "--save_strategy", "no", "--report_to", "none")
+    ok = run_train(
+        tmp_path / "out2",
+        "--memory.memory_cap_gb",
+        "0.0001",
+        "--skip-preflight",
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+    )
     assert "predicted peak reserved" in ok.stdout
 
 
 def test_out_of_memory_reports_the_fix_and_keeps_the_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    proc = run_train(tmp_path, "--max_steps", "4", "--save_steps", "1", "--report_to", "none",
-                     env={"RECIPES_FAULT_OOM_AT_STEP": "3"}, check=False)
+    proc = run_train(
+        tmp_path,
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "1",
+        "--report_to",
+        "none",
+        script=FAULTS,
+        env={"FAULT": "oom:3"},
+        check=False,
+    )
     assert proc.returncode == 3
     out = proc.stdout
     assert "CUDA out of memory during training" in out
@@ -171,37 +249,53 @@ def test_out_of_memory_reports_the_fix_and_keeps_the_checkpoint(tmp_path):
 def test_sequence_parallel_divides_the_activations_not_the_model_states():
     """sp_size 8 at 131,072 tokens: each rank's activations are those of a 16,384-token run; states are unchanged."""
     p, layer, embed = 12_247_782_400, 272_640_000, 671_088_640
-    base = Setup(params=p, layer_params=layer, embed_params=embed, layers=40, hidden=5120, seq=131072, ranks=8,
-                 ranks_per_node=8, zero3=True, config="layer+norm_attn_mlp+offload")
+    base = Setup(
+        params=p,
+        layer_params=layer,
+        embed_params=embed,
+        layers=40,
+        hidden=5120,
+        seq=131072,
+        ranks=8,
+        ranks_per_node=8,
+        zero3=True,
+        config="layer+norm_attn_mlp+offload",
+    )
     sp8 = predict(Setup(**{**base.__dict__, "sp": 8}))
     short = predict(Setup(**{**base.__dict__, "seq": 16384}))
     whole = predict(base)
     assert sp8.breakdown == short.breakdown and sp8.host_per_node_gb == short.host_per_node_gb
     assert whole.breakdown["activations_peak_layer_and_lm_head"] == pytest.approx(
-        8 * sp8.breakdown["activations_peak_layer_and_lm_head"], rel=1e-3)
+        8 * sp8.breakdown["activations_peak_layer_and_lm_head"], rel=1e-3
+    )
     assert "sequence parallel 8" in sp8.calibrated_from
-    from recipes.planner import model_flops_per_step
+    from longdpo.planner.plan import model_flops_per_step
 
     assert model_flops_per_step(Setup(**{**base.__dict__, "sp": 8}), 4096) == pytest.approx(
-        model_flops_per_step(base, 4096) / 8)
+        model_flops_per_step(base, 4096) / 8
+    )
 
 
 def test_shipped_128k_recipe_is_planned_per_rank():
-    from recipes.config import load_recipe
-    from recipes.planner import plan
-    from recipes.validate import check_deepspeed_config
+    from longdpo.checks import check_deepspeed_config
+    from longdpo.config import load_recipe
+    from longdpo.planner.plan import plan
 
-    result = plan(load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_128k_sp8.yaml")), 8, 80.0,
-                  ds_config=check_deepspeed_config(os.path.join(ROOT, "ds_configs", "zero3.json")))
+    result = plan(
+        load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_128k_sp8.yaml")),
+        8,
+        80.0,
+        ds_config=check_deepspeed_config(os.path.join(ROOT, "ds_configs", "zero3.json")),
+    )
     assert result.fits and "sequence parallel 8" in result.calibrated_from
 
 
 def test_lora_keeps_one_copy_of_the_weights_and_optimizer_state_for_the_adapters_only():
     """LoRA on one GPU: frozen bf16 weights (2 x P), fp32 adapters with gradient and Adam moments (16 x A), no
     reference copy; A counted by PEFT on the model's skeleton, checked by hand here."""
-    from recipes.config import load_recipe, parse_overrides
-    from recipes.lora import adapter_params
-    from recipes.planner import plan
+    from longdpo.config import load_recipe, parse_overrides
+    from longdpo.model.lora import adapter_params
+    from longdpo.planner.plan import plan
 
     recipe = load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_lora_64k.yaml"))
     per_layer = 16 * ((5120 + 4096) + 2 * (5120 + 1024) + (4096 + 5120) + 3 * (5120 + 14336))  # q, k, v, o, MLP
@@ -215,16 +309,18 @@ def test_lora_keeps_one_copy_of_the_weights_and_optimizer_state_for_the_adapters
     assert full.breakdown["reference_model"] > 24 and lora.peak_allocated_gb < full.peak_allocated_gb - 90
 
 
-@pytest.mark.parametrize("name,billions", [("llama3_8b", 8.03), ("qwen2_5_7b", 7.62), ("qwen2_5_14b", 14.77),
-                                           ("qwen3_8b", 8.19), ("qwen3_14b", 14.77)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [("llama3_8b", 8.03), ("qwen2_5_7b", 7.62), ("qwen2_5_14b", 14.77), ("qwen3_8b", 8.19), ("qwen3_14b", 14.77)],
+)
 def test_family_architectures_have_their_published_sizes(name, billions):
     """The planner's count (from the config's sizes) equals the model transformers builds (on the meta device), and
     the published size; Qwen2's q/k/v biases and Qwen3's q/k norms are the small difference allowed."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from recipes.config import ModelArgs
-    from recipes.modeling import load_architecture
+    from longdpo.config import ModelArgs
+    from longdpo.model.build import load_architecture
 
     config = load_architecture(ModelArgs(architecture=f"recipes/architectures/{name}.json"))
     with torch.device("meta"):
@@ -234,12 +330,14 @@ def test_family_architectures_have_their_published_sizes(name, billions):
 
 
 def test_when_no_single_change_fits_the_cheapest_pairs_are_suggested():
-    from recipes.config import load_recipe, parse_overrides
-    from recipes.planner import plan, render
-    from recipes.validate import check_deepspeed_config
+    from longdpo.checks import check_deepspeed_config
+    from longdpo.config import load_recipe, parse_overrides
+    from longdpo.planner.plan import plan, render
 
-    recipe = load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_12k.yaml"),
-                         parse_overrides(["--max_length", "32768", "--use_liger_kernel", "false"]))
+    recipe = load_recipe(
+        os.path.join(ROOT, "recipes", "nemotron12b", "dpo_12k.yaml"),
+        parse_overrides(["--max_length", "32768", "--use_liger_kernel", "false"]),
+    )
     result = plan(recipe, 8, 30, ds_config=check_deepspeed_config(os.path.join(ROOT, "ds_configs", "zero3.json")))
     text = render(result)
     assert result.fits is False and "no single change fits; these pairs of changes would" in text
@@ -250,11 +348,58 @@ def test_when_no_single_change_fits_the_cheapest_pairs_are_suggested():
 def test_zero3_on_one_gpu_suggests_one_process_without_deepspeed():
     from dataclasses import replace
 
-    from recipes.planner import _candidates
+    from longdpo.planner.plan import _candidates
 
-    s = Setup(params=12_247_782_400, layer_params=272_640_000, embed_params=671_088_640, layers=40, hidden=5120,
-              seq=4096, zero3=True)
+    s = Setup(
+        params=12_247_782_400,
+        layer_params=272_640_000,
+        embed_params=671_088_640,
+        layers=40,
+        hidden=5120,
+        seq=4096,
+        zero3=True,
+    )
     changes = dict(_candidates(s))
     alt = changes["one process without DeepSpeed (`python launch/train_dpo.py`)"]
     assert alt == replace(s, zero3=False)
     assert not any("without DeepSpeed" in c for c, _ in _candidates(replace(s, ranks=8)))
+
+
+def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
+    """`max_length: null` trains without truncation: the planner plans for the longest pair of the data, not for
+    TRL's default of 1,024 tokens (which under-predicted memory exactly when sequences are longest)."""
+    import json as _json
+
+    from longdpo.config import RecipeError, load_recipe, parse_overrides
+    from longdpo.data import load_train_data, longest_pair
+    from longdpo.model.build import load_tokenizer
+    from longdpo.planner.plan import plan, planned_length, setup_from_recipe
+
+    rows = [
+        {"prompt": "q" * 40, "chosen": "a" * 3000, "rejected": "b" * 10},
+        {"prompt": "p", "chosen": "c", "rejected": "d"},
+    ]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    recipe = load_recipe(TINY, parse_overrides(["--max_length", "null", "--data.train_files", f"[{data}]"]))
+    with pytest.raises(RecipeError, match="longest pair, which needs the data"):
+        planned_length(recipe)
+    longest = longest_pair(load_tokenizer(recipe.model), load_train_data(recipe.data))
+    assert longest == 40 + 3000 + 1  # byte tokens: prompt, the longer completion, EOS
+    assert setup_from_recipe(recipe, 1, seq=longest).seq == longest
+    at_default = plan(load_recipe(TINY, parse_overrides(["--data.train_files", f"[{data}]"])), 1, None)
+    assert plan(recipe, 1, None, seq=longest).peak_allocated_gb > at_default.peak_allocated_gb  # 3041 > 1024 tokens
+    synthetic = load_recipe(
+        TINY,
+        parse_overrides(
+            [
+                "--max_length",
+                "null",
+                "--data.train_files",
+                "[]",
+                "--data.synthetic",
+                "{pairs: 2, seq_tokens: 4096, prompt_tokens: 8}",
+            ]
+        ),
+    )
+    assert planned_length(synthetic) == 4096

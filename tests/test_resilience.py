@@ -10,11 +10,11 @@ import subprocess
 import time
 
 import pytest
-from conftest import BIN, ROOT, TRAIN, ZERO3, free_port, job_env, launch_command, run_train, summary
+from conftest import BIN, FAULTS, ROOT, TRAIN, ZERO3, free_port, job_env, launch_command, run_train, summary
 
-from recipes import resilience
-from recipes.config import RecipeError
-from recipes.distributed import run_job
+from longdpo.cluster import resilience
+from longdpo.cluster.distributed import run_job
+from longdpo.config import RecipeError
 
 ARGS = ["--max_steps", "6", "--save_steps", "2", "--report_to", "none"]
 
@@ -37,7 +37,7 @@ def test_every_saved_checkpoint_is_marked_complete(straight):
 
 
 def test_sigterm_saves_at_that_step_exits_75_and_resume_continues_the_curve(straight, tmp_path):
-    proc = run_train(tmp_path, *ARGS, check=False, env={"RECIPES_FAULT_SIGNAL_AT_STEP": "3:SIGTERM"})
+    proc = run_train(tmp_path, *ARGS, check=False, script=FAULTS, env={"FAULT": "signal:3:SIGTERM"})
     assert proc.returncode == 75, proc.stdout[-3000:]
     assert "SIGTERM received: saved checkpoint-3 and stopped" in proc.stdout
     assert json.load(open(tmp_path / "preempted.json"))["step"] == 3
@@ -71,12 +71,14 @@ def test_resume_true_without_a_complete_checkpoint_is_one_line(tmp_path):
 
 
 def test_nan_loss_stops_at_that_step_and_names_the_last_checkpoint(tmp_path):
-    proc = run_train(tmp_path, *ARGS, check=False, env={"RECIPES_FAULT_NAN_AT_STEP": "3"})
+    proc = run_train(tmp_path, *ARGS, check=False, script=FAULTS, env={"FAULT": "nan:3"})
     assert proc.returncode == 4, proc.stdout[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("error:")]
-    assert line == [f"error: step 3: the loss is not finite; stopped there and saved nothing. Last complete "
-                    f"checkpoint: {tmp_path / 'checkpoint-2'} (resume from it with `--resume_from_checkpoint "
-                    f"{tmp_path / 'checkpoint-2'}`, e.g. with a lower learning_rate)."]
+    assert line == [
+        f"error: step 3: the loss is not finite; stopped there and saved nothing. Last complete "
+        f"checkpoint: {tmp_path / 'checkpoint-2'} (resume from it with `--resume_from_checkpoint "
+        f"{tmp_path / 'checkpoint-2'}`, e.g. with a lower learning_rate)."
+    ]
     assert not (tmp_path / "checkpoint-3").exists() and not (tmp_path / "model.safetensors").exists()
     assert resilience.why_incomplete(str(tmp_path / "checkpoint-2")) is None
 
@@ -89,8 +91,19 @@ def same_weights(a, b) -> bool:
 
 
 def test_skip_leaves_the_nonfinite_step_out_and_goes_on(tmp_path):
-    proc = run_train(tmp_path, "--max_steps", "4", "--save_steps", "1", "--report_to", "none",
-                     "--run.on_nonfinite", "skip", env={"RECIPES_FAULT_NAN_AT_STEP": "3"})
+    proc = run_train(
+        tmp_path,
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--run.on_nonfinite",
+        "skip",
+        script=FAULTS,
+        env={"FAULT": "nan:3"},
+    )
     assert "step 3: the loss is not finite; its update was left out" in proc.stdout
     assert summary(tmp_path)["skipped_steps"] == [{"step": 3, "quantity": "loss"}]
     assert same_weights(tmp_path / "checkpoint-2", tmp_path / "checkpoint-3")  # no update at step 3
@@ -100,9 +113,11 @@ def test_skip_leaves_the_nonfinite_step_out_and_goes_on(tmp_path):
 
 
 def test_disk_too_small_for_one_checkpoint_stops_before_loading(tmp_path):
-    proc = run_train(tmp_path, *ARGS, check=False, env={"RECIPES_FAULT_FREE_DISK_BYTES": "1000000"})
+    proc = run_train(tmp_path, *ARGS, check=False, script=FAULTS, env={"FAULT": "disk:1000000"})
     assert proc.returncode == 2
-    assert "error: one checkpoint needs 0.0 GB but" in proc.stdout and "set `output_dir` to a larger disk" in proc.stdout
+    assert (
+        "error: one checkpoint needs 0.0 GB but" in proc.stdout and "set `output_dir` to a larger disk" in proc.stdout
+    )
     assert not (tmp_path / "memory.jsonl").exists()  # nothing ran
 
 
@@ -115,7 +130,7 @@ def test_disk_arithmetic(monkeypatch):
     assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 10, "save_total_limit": 2}) == 2
     assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 10}) == 10
     assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 0.25}) == 4
-    monkeypatch.setenv("RECIPES_FAULT_FREE_DISK_BYTES", str(int(500e9)))
+    monkeypatch.setattr(resilience, "free_bytes", lambda output_dir: int(500e9))
     assert resilience.check_disk("/tmp/x", one, 1, 2 * p) is None
     warning = resilience.check_disk("/tmp/x", one, 3, 2 * p)
     assert "3 checkpoint(s) of 220.5 GB" in warning and "lower `save_total_limit`" in warning
@@ -127,19 +142,31 @@ def test_zero3_sigusr1_saves_every_rank_at_one_step_and_resumes_the_curve(tmp_pa
     """2 processes, ZeRO-3 over gloo, launched as the SLURM example launches (the launcher ignores SIGUSR1); the
     signal goes to every process of the job at step 3. Then a ZeRO shard goes missing from the newest checkpoint:
     resume skips it and continues from the one before, on the same curve."""
-    args = [*ARGS, "--per_device_train_batch_size", "2", "--recipe", os.path.join(ROOT, "recipes", "tiny_mistral",
-                                                                                  "dpo_quickstart.yaml")]
+    args = [
+        *ARGS,
+        "--per_device_train_batch_size",
+        "2",
+        "--recipe",
+        os.path.join(ROOT, "recipes", "tiny_mistral", "dpo_quickstart.yaml"),
+    ]
 
-    def launch(out, *extra, env=None):
-        cmd = (f"trap '' USR1; exec {os.path.join(BIN, 'deepspeed')} --num_gpus 2 --master_port {free_port()} "
-               f"{TRAIN} {ZERO3} --output_dir {out} {' '.join(args)} {' '.join(extra)}")
-        full_env = {**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1",
-                    "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    def launch(out, *extra, env=None, script=TRAIN):
+        cmd = (
+            f"trap '' USR1; exec {os.path.join(BIN, 'deepspeed')} --num_gpus 2 --master_port {free_port()} "
+            f"{script} {ZERO3} --output_dir {out} {' '.join(args)} {' '.join(extra)}"
+        )
+        full_env = {
+            **os.environ,
+            "PATH": BIN + os.pathsep + os.environ["PATH"],
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
         return run_job(["bash", "-c", cmd], 300, cwd=ROOT, env=full_env, stderr=subprocess.STDOUT)
 
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     assert launch(straight).returncode == 0
-    proc = launch(cut, env={"RECIPES_FAULT_SIGNAL_AT_STEP": "3:SIGUSR1"})
+    proc = launch(cut, env={"FAULT": "signal:3:SIGUSR1"}, script=FAULTS)
     assert proc.returncode == 75, proc.stdout[-3000:]
     assert json.load(open(cut / "preempted.json"))["step"] == 3
     shards = sorted(os.listdir(cut / "checkpoint-3" / "global_step3"))
@@ -173,9 +200,23 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_the_best(straight, t
 def test_zero3_skip_leaves_the_nonfinite_step_out(tmp_path):
     """2 processes, ZeRO-3 over gloo: a NaN loss at step 3 on every rank; DeepSpeed discards that update (its
     gradient norm is not finite) and training goes on."""
-    run_train(tmp_path, "--max_steps", "4", "--save_steps", "1", "--report_to", "none", "--run.on_nonfinite", "skip",
-              "--per_device_train_batch_size", "2", launcher="deepspeed", procs=2,
-              env={"RECIPES_FAULT_NAN_AT_STEP": "3"})
+    run_train(
+        tmp_path,
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--run.on_nonfinite",
+        "skip",
+        "--per_device_train_batch_size",
+        "2",
+        launcher="deepspeed",
+        procs=2,
+        script=FAULTS,
+        env={"FAULT": "nan:3"},
+    )
     assert summary(tmp_path)["skipped_steps"] == [{"step": 3, "quantity": "loss"}]
     assert same_weights(tmp_path / "checkpoint-2", tmp_path / "checkpoint-3")
     assert not same_weights(tmp_path / "checkpoint-3", tmp_path / "checkpoint-4")
@@ -201,10 +242,28 @@ def test_sigterm_to_the_launcher_command_saves_on_every_rank_and_leaves_no_proce
     and nothing of the job is left running."""
     import psutil
 
-    cmd = launch_command(tmp_path, "--max_steps", "100000", "--save_steps", "100000", "--report_to", "none",
-                         "--per_device_train_batch_size", "2", launcher=launcher, procs=2)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    cmd = launch_command(
+        tmp_path,
+        "--max_steps",
+        "100000",
+        "--save_steps",
+        "100000",
+        "--report_to",
+        "none",
+        "--per_device_train_batch_size",
+        "2",
+        launcher=launcher,
+        procs=2,
+    )
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 240
         while not (tmp_path / "memory.jsonl").exists() or len(steps_ran(tmp_path)) < 2:  # training is under way

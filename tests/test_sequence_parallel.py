@@ -4,24 +4,34 @@ ZeRO-3 training (tiny Mistral)."""
 
 import os
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import BIN, ROOT, RUN_TIMEOUT_S, free_port, run_job, run_train, summary
 
-from recipes.config import RecipeError
-from recipes.sequence_parallel import check_sequence_parallel
+from longdpo.config import RecipeError
+from longdpo.model.sequence_parallel import check_sequence_parallel
 
 
 @pytest.fixture(scope="module", params=["mistral", "llama3", "qwen2_5", "qwen3"])  # every supported family
 def worker(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("sp")
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "sp_worker.py")]
-    env = {**os.environ, "SP_OUT": str(out), "OMP_NUM_THREADS": "1", "PATH": BIN + os.pathsep + os.environ["PATH"],
-           "SP_FAMILY": request.param}
+    cmd = [
+        os.path.join(BIN, "torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, "tests", "sp_worker.py"),
+    ]
+    env = {
+        **os.environ,
+        "SP_OUT": str(out),
+        "OMP_NUM_THREADS": "1",
+        "PATH": BIN + os.pathsep + os.environ["PATH"],
+        "SP_FAMILY": request.param,
+    }
     proc = run_job(cmd, RUN_TIMEOUT_S, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -47,10 +57,32 @@ def test_loss_gradients_and_metrics_equal_the_unsharded_run(worker, rank):
         assert sp_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-STEPS = ["--max_steps", "3", "--report_to", "none", "--save_strategy", "no", "--per_device_train_batch_size", "2",
-         "--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0",  # SGD: a gradient scale error would show
-         "--data.eval_files", "[recipes/data/arithmetic_preferences.jsonl]", "--data.max_train_samples", "16",
-         "--eval_strategy", "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "2"]
+STEPS = [
+    "--max_steps",
+    "3",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+    "--per_device_train_batch_size",
+    "2",
+    "--optim",
+    "sgd",
+    "--learning_rate",
+    "0.5",
+    "--max_grad_norm",
+    "0",  # SGD: a gradient scale error would show
+    "--data.eval_files",
+    "[recipes/data/arithmetic_preferences.jsonl]",
+    "--data.max_train_samples",
+    "16",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "3",
+    "--per_device_eval_batch_size",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +91,7 @@ def zero3_runs(tmp_path_factory):
     run_train(one, *STEPS, launcher="deepspeed", procs=1)
     # sp2 also runs the lean LM-head backward (recipes/lean_lm_head.py): on ZeRO-3's gathered head it must leave
     # the same gradients, so the sp1 run without it is the reference for both
-    run_train(two, *STEPS, "--parallelism.sp_size", "2", "--memory.lean_lm_head", "true", launcher="deepspeed",
-              procs=2)
+    run_train(two, *STEPS, "--parallelism.sp_size", "2", "--memory.lean_lm_head", "true", launcher="deepspeed", procs=2)
     return one, two
 
 
@@ -69,8 +100,19 @@ def test_zero3_training_with_sp2_equals_sp1(zero3_runs):
     assert two["world_size"] == 2 and len(one["train_logs"]) == len(two["train_logs"]) == 3
     assert two["sequence_parallel"] == {"sp_size": 2, "dp_size": 1} and two["wrapped"]["lean_lm_head"] == 1
     for a, b in zip(one["train_logs"], two["train_logs"]):
-        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-                    "logps/rejected", "logits/chosen", "entropy", "num_tokens", "num_input_tokens_seen"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+            "logits/chosen",
+            "entropy",
+            "num_tokens",
+            "num_input_tokens_seen",
+        ):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     assert one["losses"][-1] < one["losses"][0]
     (ev1,), (ev2,) = one["eval_logs"], two["eval_logs"]  # evaluation sequence-parallel too, over the same pairs
@@ -90,19 +132,34 @@ def test_zero3_sp2_saves_the_same_parameters(zero3_runs):
 ARCH = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, sliding_window=None)
 
 
-@pytest.mark.parametrize("k,world,arch,trainer,attn,match", [
-    (0, 8, ARCH, {}, "sdpa", "must be a positive integer"),
-    (3, 8, ARCH, {}, "sdpa", r"must divide the number of processes \(8\).*one of \[1, 2, 4, 8\]"),
-    (12, 48, ARCH, {}, "sdpa", "must divide the model's 32 attention heads"),
-    (4, 4, SimpleNamespace(num_attention_heads=12, num_key_value_heads=6, sliding_window=None), {}, "sdpa",
-     "6 key/value heads must divide one another"),
-    (2, 2, ARCH, {}, "eager", "needs `model.attn_implementation` sdpa or flash_attention_2"),
-    (2, 2, SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, sliding_window=4096),
-     {"max_length": 8192}, "sdpa", "sliding-window attention"),
-    (2, 2, ARCH, {"padding_free": True}, "sdpa", "padding_free"),
-    (2, 2, ARCH, {"precompute_ref_log_probs": True}, "sdpa", "precompute_ref_log_probs"),
-    (2, 2, ARCH, {"prediction_loss_only": False}, "sdpa", "prediction_loss_only"),
-])
+@pytest.mark.parametrize(
+    "k,world,arch,trainer,attn,match",
+    [
+        (0, 8, ARCH, {}, "sdpa", "must be a positive integer"),
+        (3, 8, ARCH, {}, "sdpa", r"must divide the number of processes \(8\).*one of \[1, 2, 4, 8\]"),
+        (12, 48, ARCH, {}, "sdpa", "must divide the model's 32 attention heads"),
+        (
+            4,
+            4,
+            SimpleNamespace(num_attention_heads=12, num_key_value_heads=6, sliding_window=None),
+            {},
+            "sdpa",
+            "6 key/value heads must divide one another",
+        ),
+        (2, 2, ARCH, {}, "eager", "needs `model.attn_implementation` sdpa or flash_attention_2"),
+        (
+            2,
+            2,
+            SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, sliding_window=4096),
+            {"max_length": 8192},
+            "sdpa",
+            "sliding-window attention",
+        ),
+        (2, 2, ARCH, {"padding_free": True}, "sdpa", "padding_free"),
+        (2, 2, ARCH, {"precompute_ref_log_probs": True}, "sdpa", "precompute_ref_log_probs"),
+        (2, 2, ARCH, {"prediction_loss_only": False}, "sdpa", "prediction_loss_only"),
+    ],
+)
 def test_bad_sequence_parallel_settings_are_clear_errors(k, world, arch, trainer, attn, match):
     with pytest.raises(RecipeError, match=match):
         check_sequence_parallel(k, world, arch, trainer, attn)

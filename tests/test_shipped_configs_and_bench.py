@@ -13,8 +13,8 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from recipes.config import load_recipe
-from recipes.validate import check_deepspeed_config, check_recipe
+from longdpo.checks import check_deepspeed_config, check_recipe
+from longdpo.config import load_recipe
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*", "*.yaml")))
 DS_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))
@@ -39,13 +39,25 @@ def test_recipe_is_valid(path, gpu_packages):
 def test_12k_recipe_is_the_seeds_setting():
     r = load_recipe(os.path.join(ROOT, "recipes", "nemotron12b", "dpo_12k.yaml"))
     t = r.trainer
-    assert (t["max_length"], t["beta"], t["loss_type"], t["learning_rate"], t["lr_scheduler_type"]) == \
-        (12288, 0.1, ["sigmoid"], 1e-6, "constant")
+    assert (t["max_length"], t["beta"], t["loss_type"], t["learning_rate"], t["lr_scheduler_type"]) == (
+        12288,
+        0.1,
+        ["sigmoid"],
+        1e-6,
+        "constant",
+    )
     assert r.data.global_batch_size == 8 and r.data.synthetic["seq_tokens"] == 12288
     arch = json.load(open(os.path.join(ROOT, r.model.architecture)))
-    assert (arch["hidden_size"], arch["num_hidden_layers"], arch["num_attention_heads"], arch["num_key_value_heads"],
-            arch["head_dim"], arch["intermediate_size"], arch["vocab_size"], arch["rope_theta"]) == \
-        (5120, 40, 32, 8, 128, 14336, 131072, 1e6)
+    assert (
+        arch["hidden_size"],
+        arch["num_hidden_layers"],
+        arch["num_attention_heads"],
+        arch["num_key_value_heads"],
+        arch["head_dim"],
+        arch["intermediate_size"],
+        arch["vocab_size"],
+        arch["rope_theta"],
+    ) == (5120, 40, 32, 8, 128, 14336, 131072, 1e6)
 
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=os.path.basename)
@@ -54,8 +66,12 @@ def test_deepspeed_json(path):
     zero = cfg["zero_optimization"]
     assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
     # the recipe is the single source of batch size, lr and clipping
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping"):
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
         assert cfg[key] == "auto", key
     assert cfg["bf16"]["enabled"] == "auto"
     assert "optimizer" not in cfg and "scheduler" not in cfg  # they come from the recipe via the Trainer
@@ -71,8 +87,20 @@ def test_accelerate_config_points_at_a_shipped_deepspeed_json(path):
 def test_bench_command_layers_configuration_over_neutral_base():
     from tools.bench_memory import build_command, parse_args
 
-    args = parse_args(["--out", "/tmp/x", "--configs", "layer+norm_attn_mlp+offload", "--layers", "4",
-                       "--memory-cap-gb", "80", "--mode", "emulate"])
+    args = parse_args(
+        [
+            "--out",
+            "/tmp/x",
+            "--configs",
+            "layer+norm_attn_mlp+offload",
+            "--layers",
+            "4",
+            "--memory-cap-gb",
+            "80",
+            "--mode",
+            "emulate",
+        ]
+    )
     cmd = build_command(args, "layer+norm_attn_mlp+offload", 4096, "/tmp/x/run")
     flags = dict(zip(cmd[2:-1:2], cmd[3:-1:2]))  # [python, train_dpo.py, --key, value, ..., --no_final_save]
     assert cmd[1].endswith("train_dpo.py") and cmd[-1] == "--no_final_save"
@@ -83,8 +111,12 @@ def test_bench_command_layers_configuration_over_neutral_base():
     assert json.loads(flags["--data.synthetic"]) == {"pairs": 32, "seq_tokens": 4096, "prompt_tokens": 1024}
     assert flags["--memory.padding_mask"] == "auto"
     long = dict(zip(*[iter(build_command(args, "stock+offload", 4096, "/tmp/x/run", "long-prompt")[2:-1])] * 2))
-    assert json.loads(long["--data.synthetic"]) == {"pairs": 32, "seq_tokens": 4096, "prompt_tokens": 3686,
-                                                    "rejected_tokens": 369}
+    assert json.loads(long["--data.synthetic"]) == {
+        "pairs": 32,
+        "seq_tokens": 4096,
+        "prompt_tokens": 3686,
+        "rejected_tokens": 369,
+    }
     assert long["--memory.padding_mask"] == "keep"  # the library-only setups pass TRL's mask
     z3 = parse_args(["--out", "/tmp/x", "--gpus", "8"])
     cmd = build_command(z3, "stock", 12288, "/tmp/x/run")
@@ -95,19 +127,52 @@ def test_bench_command_layers_configuration_over_neutral_base():
 def test_bench_summary_and_table():
     from tools.bench_memory import render_table, summarise
 
-    records = [{"peak_allocated_gb": 90.0, "peak_reserved_gb": 95.0, "frag_gap_gb": 5.0, "step_time_s": 9.0,
-                "tokens_per_s": 1.0, "host_rss_gb": 2.0, "host_pinned_gb": 0.0, "alloc_retries": 0, "weights_gb": 49.0},
-               {"peak_allocated_gb": 60.0, "peak_reserved_gb": 70.0, "frag_gap_gb": 10.0, "step_time_s": 6.0,
-                "tokens_per_s": 4000.0, "host_rss_gb": 2.0, "host_pinned_gb": 1.0, "alloc_retries": 0, "weights_gb": 49.0},
-               {"peak_allocated_gb": 62.0, "peak_reserved_gb": 69.0, "frag_gap_gb": 7.0, "step_time_s": 7.0,
-                "tokens_per_s": 3500.0, "host_rss_gb": 3.0, "host_pinned_gb": 1.5, "alloc_retries": 1, "weights_gb": 49.0}]
+    records = [
+        {
+            "peak_allocated_gb": 90.0,
+            "peak_reserved_gb": 95.0,
+            "frag_gap_gb": 5.0,
+            "step_time_s": 9.0,
+            "tokens_per_s": 1.0,
+            "host_rss_gb": 2.0,
+            "host_pinned_gb": 0.0,
+            "alloc_retries": 0,
+            "weights_gb": 49.0,
+        },
+        {
+            "peak_allocated_gb": 60.0,
+            "peak_reserved_gb": 70.0,
+            "frag_gap_gb": 10.0,
+            "step_time_s": 6.0,
+            "tokens_per_s": 4000.0,
+            "host_rss_gb": 2.0,
+            "host_pinned_gb": 1.0,
+            "alloc_retries": 0,
+            "weights_gb": 49.0,
+        },
+        {
+            "peak_allocated_gb": 62.0,
+            "peak_reserved_gb": 69.0,
+            "frag_gap_gb": 7.0,
+            "step_time_s": 7.0,
+            "tokens_per_s": 3500.0,
+            "host_rss_gb": 3.0,
+            "host_pinned_gb": 1.5,
+            "alloc_retries": 1,
+            "weights_gb": 49.0,
+        },
+    ]
     s = summarise(records)  # the first (warm-up) step is left out
     assert s["peak_allocated_gb"] == 62.0 and s["above_weights_gb"] == 13.0 and s["peak_reserved_gb"] == 70.0
     assert s["step_time_s"] == 7.0 and s["steps_measured"] == 2
     profiled = summarise([{**r, "step": i + 1} for i, r in enumerate(records)], profiled_step=3)
     assert profiled["step_time_s"] == 6.0 and profiled["steps_measured"] == 1  # the profiled step is not timed
-    table = render_table([{"config": "ours", "seq_tokens": 12288, "workload": "unequal", "rc": 0, "oom": False, **s},
-                          {"config": "stock", "seq_tokens": 65536, "rc": 1, "oom": True}])
+    table = render_table(
+        [
+            {"config": "ours", "seq_tokens": 12288, "workload": "unequal", "rc": 0, "oom": False, **s},
+            {"config": "stock", "seq_tokens": 65536, "rc": 1, "oom": True},
+        ]
+    )
     assert "| 12288 | unequal | ours | 62.00 | 13.00 | 70.00 |" in table
     assert "| 65536 | equal | stock | OOM |" in table  # rows from before workloads were named ran equal pairs
 
@@ -115,22 +180,38 @@ def test_bench_summary_and_table():
 def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
     from tools.analyze_snapshot import peak_holders
 
-    mlp = [{"filename": "/venv/lib/site-packages/transformers/models/mistral/modeling_mistral.py", "line": 47, "name": "forward"}]
-    norm = [{"filename": "/venv/lib/site-packages/transformers/models/mistral/modeling_mistral.py", "line": 194, "name": "forward"}]
+    mlp = [
+        {
+            "filename": "/venv/lib/site-packages/transformers/models/mistral/modeling_mistral.py",
+            "line": 47,
+            "name": "forward",
+        }
+    ]
+    norm = [
+        {
+            "filename": "/venv/lib/site-packages/transformers/models/mistral/modeling_mistral.py",
+            "line": 194,
+            "name": "forward",
+        }
+    ]
     mb = 10**6
-    trace = [{"action": "alloc", "addr": 1, "size": 300 * mb, "frames": mlp},
-             {"action": "alloc", "addr": 2, "size": 200 * mb, "frames": norm},
-             {"action": "free_completed", "addr": 1, "size": 300 * mb},
-             {"action": "alloc", "addr": 3, "size": 250 * mb, "frames": mlp},  # total 450 < earlier 500
-             {"action": "alloc", "addr": 4, "size": 100 * mb, "frames": []}]  # total 550: the peak
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 300 * mb, "frames": mlp},
+        {"action": "alloc", "addr": 2, "size": 200 * mb, "frames": norm},
+        {"action": "free_completed", "addr": 1, "size": 300 * mb},
+        {"action": "alloc", "addr": 3, "size": 250 * mb, "frames": mlp},  # total 450 < earlier 500
+        {"action": "alloc", "addr": 4, "size": 100 * mb, "frames": []},
+    ]  # total 550: the peak
     path = tmp_path / "snap.pickle"
     pickle.dump({"segments": [], "device_traces": [trace]}, open(path, "wb"))
     out = peak_holders(str(path))
     assert out["peak_during_training_gb"] == 0.55
     sites = {h["site"]: h["gb"] for h in out["top_holders"]}
-    assert sites == {"transformers/models/mistral/modeling_mistral.py:47 forward": 0.25,
-                     "transformers/models/mistral/modeling_mistral.py:194 forward": 0.2,
-                     "other (no model/TRL frame)": 0.1}
+    assert sites == {
+        "transformers/models/mistral/modeling_mistral.py:47 forward": 0.25,
+        "transformers/models/mistral/modeling_mistral.py:194 forward": 0.2,
+        "other (no model/TRL frame)": 0.1,
+    }
     assert [b["bytes"] for b in out["largest_blocks"]] == [250 * mb, 200 * mb, 100 * mb]
 
 
@@ -138,16 +219,40 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     """The real path: two configurations in fresh processes, results JSON + table + chart."""
     from tools.bench_memory import main
 
-    results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "emulate",
-                    "--seq-tokens", "48", "--steps", "2", "--prompt-tokens", "8",
-                    "--configs", "stock,layer+norm_attn_mlp", "--profile", "--out", str(tmp_path)])
+    results = main(
+        [
+            "--recipe",
+            "recipes/tiny_mistral/dpo_quickstart.yaml",
+            "--mode",
+            "emulate",
+            "--seq-tokens",
+            "48",
+            "--steps",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--configs",
+            "stock,layer+norm_attn_mlp",
+            "--profile",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [r["rc"] for r in results] == [0, 0]
     assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)  # levers change no numerics
     # the profiled last step: each module kind's forward, its recompute by the checkpoints, and autograd's backward
     rows = results[1]["profile"]["kernel_ms"]
-    for row in ("forward:attention", "forward:mlp", "forward:norm", "forward:lm_head",
-                "recompute:attention", "recompute:mlp", "recompute:norm", "backward:matmul",
-                "forward:reference"):
+    for row in (
+        "forward:attention",
+        "forward:mlp",
+        "forward:norm",
+        "forward:lm_head",
+        "recompute:attention",
+        "recompute:mlp",
+        "recompute:norm",
+        "backward:matmul",
+        "forward:reference",
+    ):
         assert rows.get(row, 0) > 0, (row, rows)
     assert "| forward:attention |" in (tmp_path / "profiles" / "layer-norm_attn_mlp_48.md").read_text()
     with gzip.open(tmp_path / "profiles" / "layer-norm_attn_mlp_48.trace.json.gz", "rt") as f:  # the whole trace
@@ -167,25 +272,44 @@ def test_bench_run_past_its_timeout_is_a_row_not_a_crash(tmp_path):
     """A configuration that overruns --timeout is killed whole and recorded; the benchmark goes on to the next."""
     from tools.bench_memory import main
 
-    results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "emulate", "--seq-tokens",
-                    "48", "--steps", "2", "--configs", "stock,stock+offload", "--timeout", "1", "--out", str(tmp_path)])
+    results = main(
+        [
+            "--recipe",
+            "recipes/tiny_mistral/dpo_quickstart.yaml",
+            "--mode",
+            "emulate",
+            "--seq-tokens",
+            "48",
+            "--steps",
+            "2",
+            "--configs",
+            "stock,stock+offload",
+            "--timeout",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [r["rc"] for r in results] == [124, 124]
     assert (tmp_path / "results.md").read_text().count("| timed out |") == 2
 
 
 def test_model_flops_and_mfu_by_hand():
+    from longdpo.planner.plan import Setup, model_flops_per_step
     from tools.bench_memory import add_mfu
-    from recipes.planner import Setup, model_flops_per_step
 
     s = Setup(params=1000, layer_params=100, embed_params=200, layers=2, hidden=8, seq=16, batch=1)
     tokens = 2 * 16  # chosen + rejected
-    forward = 2 * (1000 - 200) * tokens + 2 * 2 * 2 * 16 ** 2 * 8  # matmuls + causal attention (2 seqs, 2 layers)
+    forward = 2 * (1000 - 200) * tokens + 2 * 2 * 2 * 16**2 * 8  # matmuls + causal attention (2 seqs, 2 layers)
     assert model_flops_per_step(s, attn_width=8) == 4 * forward  # policy fwd + bwd (3x) + reference fwd (1x)
     assert model_flops_per_step(s, attn_width=8, with_reference=False) == 3 * forward
     row = {"step_time_s": 2.0}
-    add_mfu(row, {"matmul_tflops": 100.0}, (Setup(params=12 * 10**9, layer_params=1, embed_params=10**9,
-                                                    layers=40, hidden=5120, seq=12288), 4096))
-    flops = 4 * (2 * 11 * 10**9 * 24576 + 2 * 2 * 40 * 12288 ** 2 * 4096)
+    add_mfu(
+        row,
+        {"matmul_tflops": 100.0},
+        (Setup(params=12 * 10**9, layer_params=1, embed_params=10**9, layers=40, hidden=5120, seq=12288), 4096),
+    )
+    flops = 4 * (2 * 11 * 10**9 * 24576 + 2 * 2 * 40 * 12288**2 * 4096)
     assert row["model_tflops_per_step"] == round(flops / 1e12, 2)
     assert row["mfu"] == round(row["model_tflops_per_step"] / (2.0 * 100.0), 4)
     no_gpu = {"step_time_s": 2.0}
@@ -194,24 +318,45 @@ def test_model_flops_and_mfu_by_hand():
 
 
 def test_bench_zero3_mode_on_cpu(tmp_path):
-    """The real path as NeMo-RL PR #926's 8-GPU setting runs it (deepspeed launcher, ZeRO-3, one pair per rank per step),
-    here with 2 CPU processes over gloo. (That every policy keeps stock's curve under ZeRO-3 is
+    """The real path as NeMo-RL PR #926's 8-GPU setting runs it (deepspeed launcher, ZeRO-3, one pair per rank per
+    step), here with 2 CPU processes over gloo. (That every policy keeps stock's curve under ZeRO-3 is
     tests/test_train_zero3.py's; one configuration here keeps the suite short.)"""
     from conftest import RUN_TIMEOUT_S, free_port
 
     from tools.bench_memory import main
 
-    results = main(["--recipe", "recipes/tiny_mistral/dpo_quickstart.yaml", "--mode", "zero3", "--gpus", "2",
-                    "--port", str(free_port()), "--timeout", str(RUN_TIMEOUT_S), "--seq-tokens", "48", "--steps", "2",
-                    "--prompt-tokens", "8", "--configs", "layer+norm_attn_mlp", "--out", str(tmp_path)])
+    results = main(
+        [
+            "--recipe",
+            "recipes/tiny_mistral/dpo_quickstart.yaml",
+            "--mode",
+            "zero3",
+            "--gpus",
+            "2",
+            "--port",
+            str(free_port()),
+            "--timeout",
+            str(RUN_TIMEOUT_S),
+            "--seq-tokens",
+            "48",
+            "--steps",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--configs",
+            "layer+norm_attn_mlp",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [r["rc"] for r in results] == [0], open(tmp_path / "bench.log").read()  # every run's log tail
     assert results[0]["losses"][0] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 1
     assert json.load(open(tmp_path / "results.json"))["environment"]["mode"] == "zero3"
 
 
 def test_merge_of_committed_results(tmp_path):
-    """One table + chart of every committed per-rank emulation row: the newest run of a (configuration, length) wins, real
-    ZeRO-3 rows (other weights) stay out, a missing file is one clear error."""
+    """One table + chart of every committed per-rank emulation row: the newest run of a (configuration, length)
+    wins, real ZeRO-3 rows (other weights) stay out, a missing file is one clear error."""
     from tools.bench_memory import merge
 
     paths = glob.glob(os.path.join(ROOT, "results", "gpu_*", "**", "results.json"), recursive=True)
@@ -224,8 +369,19 @@ def test_merge_of_committed_results(tmp_path):
     table = open(tmp_path / "results.md").read()
     assert "| 12288 | equal | attn_mlp | OOM |" in table and table.count("\n") == len(rows) + 2
     assert os.path.getsize(tmp_path / "memory_vs_length.png") > 1000
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_memory.py"), "--out", str(tmp_path),
-                           "--merge", "missing.json"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "bench_memory.py"),
+            "--out",
+            str(tmp_path),
+            "--merge",
+            "missing.json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 1 and "not found: ['missing.json']" in proc.stderr
 
 
@@ -255,17 +411,19 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
     def x(cat, name, tid, ts, dur, **args):
         return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
-    events = [x("user_annotation", "recipes:forward:attention", 1, 0, 100),
-              x("user_annotation", "recipes:forward:norm", 1, 10, 40),  # nested: the innermost label wins
-              x("user_annotation", "recipes:forward:mlp", 1, 100, 100),
-              x("cuda_runtime", "cudaLaunchKernel", 1, 20, 1, correlation=1),
-              x("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
-              x("cuda_runtime", "cudaLaunchKernel", 1, 150, 1, correlation=3),
-              x("cuda_runtime", "cudaLaunchKernel", 2, 150, 1, correlation=4),  # a thread without labels
-              x("kernel", "k1", 7, 100, 100, stream=7, correlation=1),
-              x("kernel", "k2", 7, 200, 100, stream=7, correlation=2),
-              x("kernel", "k3", 20, 150, 100, stream=20, correlation=3),
-              x("kernel", "k4", 7, 300, 10, stream=7, correlation=4)]
+    events = [
+        x("user_annotation", "recipes:forward:attention", 1, 0, 100),
+        x("user_annotation", "recipes:forward:norm", 1, 10, 40),  # nested: the innermost label wins
+        x("user_annotation", "recipes:forward:mlp", 1, 100, 100),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 20, 1, correlation=1),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 150, 1, correlation=3),
+        x("cuda_runtime", "cudaLaunchKernel", 2, 150, 1, correlation=4),  # a thread without labels
+        x("kernel", "k1", 7, 100, 100, stream=7, correlation=1),
+        x("kernel", "k2", 7, 200, 100, stream=7, correlation=2),
+        x("kernel", "k3", 20, 150, 100, stream=20, correlation=3),
+        x("kernel", "k4", 7, 300, 10, stream=7, correlation=4),
+    ]
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -274,6 +432,8 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
     assert rows["forward:norm"]["overlapped_ms"] == pytest.approx(0.05)
     assert rows["forward:attention"]["overlapped_ms"] == pytest.approx(0.05)  # k2 by k3 over [200, 250]
     assert rows["forward:mlp"]["overlapped_ms"] == pytest.approx(0.1)  # k3 by k1 then k2: [150, 250]
-    assert dict(rows["forward:mlp"]["with"]) == pytest.approx({("forward:norm", 7): 0.05, ("forward:attention", 7): 0.05})
+    assert dict(rows["forward:mlp"]["with"]) == pytest.approx(
+        {("forward:norm", 7): 0.05, ("forward:attention", 7): 0.05}
+    )
     assert rows["unlabelled"]["kernel_ms"] == pytest.approx(0.01) and rows["unlabelled"]["overlapped_ms"] == 0
     assert "| forward:mlp | 0.1 | 0.1 |" in (tmp_path / "overlap.md").read_text()

@@ -49,12 +49,24 @@ def test_tensorboard_events_and_memory_telemetry_written(quickstart):
 def test_memory_plot_gives_each_quantity_its_own_axis(tmp_path):
     """A long run: the reward margin (~14) does not flatten the loss and the accuracy; the accuracy reads 0 to 1;
     no markers past 30 steps; with a GPU the table has the GPU columns."""
-    from recipes.callbacks import write_summary
+    from longdpo.training.callbacks import write_summary
 
-    records = [{"step": i, "peak_allocated_gb": 60.0, "peak_reserved_gb": 70.0, "frag_gap_gb": 10.0,
-                "step_time_s": 1.0, "tokens_per_s": 100.0, "host_rss_gb": 5.0} for i in range(1, 573)]
-    logs = [{"step": i, "loss": 0.69 / i, "rewards/margins": 14 * i / 572, "rewards/accuracies": min(1, i / 100)}
-            for i in range(1, 573)]
+    records = [
+        {
+            "step": i,
+            "peak_allocated_gb": 60.0,
+            "peak_reserved_gb": 70.0,
+            "frag_gap_gb": 10.0,
+            "step_time_s": 1.0,
+            "tokens_per_s": 100.0,
+            "host_rss_gb": 5.0,
+        }
+        for i in range(1, 573)
+    ]
+    logs = [
+        {"step": i, "loss": 0.69 / i, "rewards/margins": 14 * i / 572, "rewards/accuracies": min(1, i / 100)}
+        for i in range(1, 573)
+    ]
     import matplotlib.pyplot as plt
 
     made = []
@@ -89,23 +101,26 @@ def test_the_quickstart_prints_no_warnings_a_user_cannot_act_on(quickstart):
     no DeepSpeed accelerator guess, no planner line without a GPU to plan for; the model card names no `None` base
     model."""
     out, log = quickstart
-    assert "FutureWarning" not in log and "UserWarning" not in log, [l for l in log.splitlines() if "Warning" in l]
-    assert "WARNING" not in log and "planner:" not in log, [l for l in log.splitlines() if "WARNING" in l]
+    assert "FutureWarning" not in log and "UserWarning" not in log, [
+        line for line in log.splitlines() if "Warning" in line
+    ]
+    assert "WARNING" not in log and "planner:" not in log, [line for line in log.splitlines() if "WARNING" in line]
     assert "[None]" not in open(os.path.join(out, "README.md")).read()
 
 
 def test_saved_model_reloads_with_trained_weights(quickstart):
     from transformers import AutoModelForCausalLM
 
-    from recipes.config import ModelArgs
-    from recipes.modeling import build_model
+    from longdpo.config import ModelArgs
+    from longdpo.model.build import build_model
 
     out, _ = quickstart
     final = AutoModelForCausalLM.from_pretrained(out)
     last_ckpt = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"checkpoint-{STEPS}"))
-    init = build_model(ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte",
-                                 dtype="float32"))
-    for (name, p), q, r in zip(final.named_parameters(), last_ckpt.parameters(), init.parameters()):
+    init = build_model(
+        ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
+    )
+    for (name, p), q in zip(final.named_parameters(), last_ckpt.parameters()):
         assert torch.equal(p, q), name
     assert any(not torch.equal(p, r) for p, r in zip(final.parameters(), init.parameters()))
 
@@ -115,8 +130,15 @@ def test_resume_continues_the_same_curve(quickstart, tmp_path):
     import shutil
 
     shutil.copytree(os.path.join(out, "checkpoint-3"), tmp_path / "checkpoint-3")
-    run_train(tmp_path, "--max_steps", str(STEPS), "--save_steps", "3",
-              "--resume_from_checkpoint", str(tmp_path / "checkpoint-3"))
+    run_train(
+        tmp_path,
+        "--max_steps",
+        str(STEPS),
+        "--save_steps",
+        "3",
+        "--resume_from_checkpoint",
+        str(tmp_path / "checkpoint-3"),
+    )
     resumed = summary(tmp_path)["losses"]  # steps 1-3 restored from the checkpoint's state, 4-6 trained anew
     original = summary(out)["losses"]
     assert len(resumed) == STEPS
@@ -136,11 +158,18 @@ def test_runs_when_tensorboard_is_not_installed(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
     # sys.modules[name] = None makes both `import` and importlib.util.find_spec treat the package as absent
-    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n"
-                                           "sys.modules['tensorboardX'] = None\n")
+    (hide / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['tensorboard'] = None\nsys.modules['tensorboardX'] = None\n"
+    )
     out = tmp_path / "out"
-    proc = run_train(out, "--max_steps", "1", "--save_strategy", "no",
-                     env={"PYTHONPATH": str(hide) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = run_train(
+        out,
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        env={"PYTHONPATH": str(hide) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
     assert "tensorboard is not installed" in proc.stdout
     assert not os.path.exists(out / "runs")
 
@@ -151,12 +180,35 @@ def test_local_model_directory_and_conversational_data(tmp_path, tiny_model_dir)
     with open(data, "w") as f:
         for i in range(8):
             user = {"role": "user", "content": f"What is {i} + {i}?"}
-            f.write(json.dumps({"chosen": [user, {"role": "assistant", "content": f"{2 * i}."}],
-                                "rejected": [user, {"role": "assistant", "content": f"{2 * i + 1}, maybe."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "chosen": [user, {"role": "assistant", "content": f"{2 * i}."}],
+                        "rejected": [user, {"role": "assistant", "content": f"{2 * i + 1}, maybe."}],
+                    }
+                )
+                + "\n"
+            )
     out = tmp_path / "out"
-    run_train(out, "--max_steps", "2", "--save_strategy", "no", "--report_to", "none",
-              "--model.architecture", "null", "--model.tokenizer", "null", "--model.name_or_path", tiny_model_dir,
-              "--data.train_files", f"[{data}]", "--per_device_train_batch_size", "2")
+    run_train(
+        out,
+        "--max_steps",
+        "2",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--model.architecture",
+        "null",
+        "--model.tokenizer",
+        "null",
+        "--model.name_or_path",
+        tiny_model_dir,
+        "--data.train_files",
+        f"[{data}]",
+        "--per_device_train_batch_size",
+        "2",
+    )
     s = summary(out)
     assert abs(s["losses"][0] - math.log(2)) < 1e-4
     assert s["length_report"]["pairs"] == 8
@@ -170,13 +222,36 @@ def test_a_hub_id_loads_from_the_hugging_face_cache(tmp_path, tiny_model_dir):
     home = hub_cache(tmp_path / "hf", "someone/tiny-mistral", tiny_model_dir)
     env = {"HF_HOME": home, "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "out"
-    run_train(out, "--max_steps", "1", "--save_strategy", "no", "--report_to", "none", "--model.architecture", "null",
-              "--model.tokenizer", "null", "--model.name_or_path", "someone/tiny-mistral", env=env)
+    run_train(
+        out,
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--model.architecture",
+        "null",
+        "--model.tokenizer",
+        "null",
+        "--model.name_or_path",
+        "someone/tiny-mistral",
+        env=env,
+    )
     assert abs(summary(out)["losses"][0] - math.log(2)) < 1e-4
-    proc = run_train(tmp_path / "out2", "--model.architecture", "null", "--model.tokenizer", "null",
-                     "--model.name_or_path", "someone/not-cached", env=env, check=False)
+    proc = run_train(
+        tmp_path / "out2",
+        "--model.architecture",
+        "null",
+        "--model.tokenizer",
+        "null",
+        "--model.name_or_path",
+        "someone/not-cached",
+        env=env,
+        check=False,
+    )
     assert proc.returncode != 0
-    lines = [l for l in proc.stdout.splitlines() if "someone/not-cached" in l]
+    lines = [line for line in proc.stdout.splitlines() if "someone/not-cached" in line]
     assert len(lines) == 1 and "HF_HUB_OFFLINE=1 is set" in lines[0], proc.stdout[-2000:]
     assert "Traceback" not in proc.stdout
 
@@ -188,6 +263,7 @@ def test_the_entrypoint_sends_no_usage_ping():
     probe = "import launch.train_dpo; from huggingface_hub import constants; print(constants.HF_HUB_DISABLE_TELEMETRY)"
     for setting, expected in ((None, "True"), ("0", "False")):
         run_env = env if setting is None else {**env, "HF_HUB_DISABLE_TELEMETRY": setting}
-        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=run_env, capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", probe], cwd=ROOT, env=run_env, capture_output=True, text=True, check=True
+        )
         assert out.stdout.strip() == expected, setting

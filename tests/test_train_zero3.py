@@ -44,7 +44,7 @@ def test_two_process_curve_matches_one_process(ds1, ds2):
 
 def test_no_shared_memory_allreduce_built_or_left_in_dev_shm(ds2):
     """DeepSpeed's CPU shm allreduce (unused by training) took a build lock that hung CI once a rank died holding
-    it, and leaked 66 MB of /dev/shm per rank per run (recipes/distributed.skip_cpu_shm_allreduce)."""
+    it, and leaked 66 MB of /dev/shm per rank per run (longdpo/patches.py)."""
     assert "deepspeed_shm_comm_op built successfully" not in (ds2 / "launch.log").read_text()
     assert json.loads((ds2 / "shm_left.json").read_text()) == []
 
@@ -77,8 +77,16 @@ def test_zero3_save_gathers_a_model_that_reloads(ds2):
 
 def test_resume_under_zero3_continues_the_same_curve(ds2, tmp_path):
     shutil.copytree(os.path.join(ds2, "checkpoint-2"), tmp_path / "checkpoint-2")
-    run_train(tmp_path, *STEPS, "--per_device_train_batch_size", "2", "--resume_from_checkpoint",
-              str(tmp_path / "checkpoint-2"), launcher="deepspeed", procs=2)
+    run_train(
+        tmp_path,
+        *STEPS,
+        "--per_device_train_batch_size",
+        "2",
+        "--resume_from_checkpoint",
+        str(tmp_path / "checkpoint-2"),
+        launcher="deepspeed",
+        procs=2,
+    )
     assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5)
     ran = [json.loads(line)["step"] for line in open(tmp_path / "memory.jsonl")]
     assert ran == [3, 4]  # resumed from step 2, not restarted
@@ -88,9 +96,19 @@ def test_resume_under_zero3_continues_the_same_curve(ds2, tmp_path):
 def test_saved_tensor_hooks_under_zero3_leave_the_curve_unchanged(ds2, tmp_path, lean_head):
     """Activation offloading's hooks around each step (identity hooks here, tests/hooks_worker.py): the fused LM head
     (TRL's, and the lean one) still gathers its partitioned weight in backward, and nothing changes numerically."""
-    run_train(tmp_path, *STEPS, "--per_device_train_batch_size", "2", "--save_strategy", "no",
-              "--memory.lean_lm_head", lean_head, launcher="deepspeed", procs=2,
-              script=os.path.join(ROOT, "tests", "hooks_worker.py"))
+    run_train(
+        tmp_path,
+        *STEPS,
+        "--per_device_train_batch_size",
+        "2",
+        "--save_strategy",
+        "no",
+        "--memory.lean_lm_head",
+        lean_head,
+        launcher="deepspeed",
+        procs=2,
+        script=os.path.join(ROOT, "tests", "hooks_worker.py"),
+    )
     assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
 
 
@@ -101,15 +119,31 @@ def test_accelerate_launch_matches(ds1, tmp_path):
     assert s["losses"] == pytest.approx(summary(ds1)["losses"], abs=1e-5)
 
 
-@pytest.mark.parametrize("policy,tiles,chunks", [("norm_attn_mlp", 0, 0), ("layer+norm_attn_mlp", 0, 0), ("layer+norm_attn", 4, 0), ("layer+norm_attn", 0, 2)])
+@pytest.mark.parametrize(
+    "policy,tiles,chunks",
+    [("norm_attn_mlp", 0, 0), ("layer+norm_attn_mlp", 0, 0), ("layer+norm_attn", 4, 0), ("layer+norm_attn", 0, 2)],
+)
 def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles, chunks):
     """Recompute under ZeRO-3 must re-gather partitioned weights: any miss changes the gradients, so the curve.
     Tiles and chunks sum each MLP weight's gradient over sequence pieces, a different fp32 summation order than one
     matmul: after three updates the loss moved by 1.2e-6 on a 2-core CPU, so those cases compare at 1e-5 (a missed
     re-gather or a wrong gradient moves it by orders of magnitude more)."""
-    run_train(tmp_path, *STEPS, "--per_device_train_batch_size", "2", "--save_strategy", "no",
-              "--memory.checkpointing", policy, "--memory.tiled_mlp", str(tiles), "--memory.mlp_chunks", str(chunks),
-              launcher="deepspeed", procs=2)
+    run_train(
+        tmp_path,
+        *STEPS,
+        "--per_device_train_batch_size",
+        "2",
+        "--save_strategy",
+        "no",
+        "--memory.checkpointing",
+        policy,
+        "--memory.tiled_mlp",
+        str(tiles),
+        "--memory.mlp_chunks",
+        str(chunks),
+        launcher="deepspeed",
+        procs=2,
+    )
     s = summary(tmp_path)
     assert sum(s["wrapped"].values()) > 0
     assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5 if tiles or chunks else 1e-6)
@@ -118,8 +152,20 @@ def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles, 
 @pytest.mark.parametrize("launcher,procs,per_device", [("python", 1, 4), ("deepspeed", 2, 2)])
 def test_precompute_ref_log_probs(tmp_path, launcher, procs, per_device):
     """Reference log-probs computed once before training (no reference model kept): the same ln 2 start."""
-    run_train(tmp_path, "--max_steps", "2", "--save_strategy", "no", "--report_to", "none",
-              "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", str(per_device),
-              launcher=launcher, procs=procs)
+    run_train(
+        tmp_path,
+        "--max_steps",
+        "2",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--precompute_ref_log_probs",
+        "true",
+        "--per_device_train_batch_size",
+        str(per_device),
+        launcher=launcher,
+        procs=procs,
+    )
     losses = summary(tmp_path)["losses"]
     assert abs(losses[0] - math.log(2)) < 1e-4 and losses[1] < losses[0]

@@ -49,9 +49,12 @@ def peak_holders(path: str, top: int = 15, device: int = 0) -> dict:
     ranked = sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
     # Single blocks tell what a frameless holder is (e.g. vocab x hidden = an LM-head/embedding gradient).
     largest = sorted(at_peak.values(), key=lambda v: -v[0])[:top]
-    return {"peak_during_training_gb": round(peak / 1e9, 3), "events": len(events),
-            "top_holders": [{"gb": round(b / 1e9, 3), "site": s} for s, b in ranked],
-            "largest_blocks": [{"bytes": b, "site": s} for b, s in largest]}
+    return {
+        "peak_during_training_gb": round(peak / 1e9, 3),
+        "events": len(events),
+        "top_holders": [{"gb": round(b / 1e9, 3), "site": s} for s, b in ranked],
+        "largest_blocks": [{"bytes": b, "site": s} for b, s in largest],
+    }
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def _launch_rows(events: list[dict]) -> dict:
     per_thread = defaultdict(list)  # tid -> (ts, order, what): ranges sort before launches at the same ts
     for e in events:
         if e.get("ph") == "X" and e.get("name", "").startswith(PREFIX):
-            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], e["name"][len(PREFIX):])))
+            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], e["name"][len(PREFIX) :])))
         elif e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
             per_thread[e["tid"]].append((e["ts"], 1, e["args"]["correlation"]))
     rows = {}
@@ -52,9 +52,16 @@ def _launch_rows(events: list[dict]) -> dict:
 def kernels(events: list[dict]) -> list[dict]:
     """Every GPU kernel with its stream, interval and row (the label around the call that launched it)."""
     rows = _launch_rows(events)
-    return [{"row": rows.get(e.get("args", {}).get("correlation"), "unlabelled"),
-             "stream": e.get("args", {}).get("stream", e.get("tid")), "start": e["ts"], "end": e["ts"] + e["dur"]}
-            for e in events if e.get("cat") == "kernel"]
+    return [
+        {
+            "row": rows.get(e.get("args", {}).get("correlation"), "unlabelled"),
+            "stream": e.get("args", {}).get("stream", e.get("tid")),
+            "start": e["ts"],
+            "end": e["ts"] + e["dur"],
+        }
+        for e in events
+        if e.get("cat") == "kernel"
+    ]
 
 
 def overlaps(ks: list[dict]) -> dict:
@@ -92,8 +99,10 @@ def _union(intervals: list[tuple]) -> float:
 
 
 def render(rows: dict, top: int = 3) -> str:
-    lines = ["| row | kernel ms | overlapped by other streams (ms) | overlapping most (row @ stream: ms) |",
-             "|---|---|---|---|"]
+    lines = [
+        "| row | kernel ms | overlapped by other streams (ms) | overlapping most (row @ stream: ms) |",
+        "|---|---|---|---|",
+    ]
     for row, r in sorted(rows.items(), key=lambda kv: -kv[1]["kernel_ms"]):
         partners = sorted(r["with"].items(), key=lambda kv: -kv[1])[:top]
         named = ", ".join(f"{p} @ {s}: {ms:.0f}" for (p, s), ms in partners) or "-"

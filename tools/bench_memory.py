@@ -17,8 +17,8 @@ invocation on the same GPU, so ratios are honest.
     # one table + chart of every committed per-rank emulation row (the newest of each configuration and length)
     python tools/bench_memory.py --out results/summary --merge results/*/results.json results/*/*/results.json
 
-Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (NeMo-RL PR #926's
-table format) and memory_vs_length.png.
+Outputs in --out: results.json (GPU name, library versions, command lines, memory cap, mode), results.md (NeMo-RL
+PR #926's table format) and memory_vs_length.png.
 """
 
 from __future__ import annotations
@@ -32,22 +32,29 @@ import shutil
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from longdpo.cluster.distributed import run_job
+from longdpo.data import WORKLOADS, workload
+from longdpo.planner.calibration import setup_from_result
+from longdpo.planner.levers import CONFIGS, add_setup_arguments
 
-from recipes.calibration import setup_from_result  # noqa: E402
-from recipes.data import WORKLOADS, workload  # noqa: E402
-from recipes.distributed import run_job  # noqa: E402
-from recipes.levers import BASE, CONFIGS, add_setup_arguments  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_command(args, name: str, seq: int, out_dir: str, shape: str = "equal") -> list[str]:
-    overrides = {**BASE, **CONFIGS[name],
-                 "data.synthetic": json.dumps(workload(shape, seq, 8 * args.steps, args.prompt_tokens)),
-                 "data.train_files": "[]", "data.global_batch_size": "null",
-                 "max_length": str(seq), "max_steps": str(args.steps), "per_device_train_batch_size": "1",
-                 "gradient_accumulation_steps": "1", "logging_steps": "1", "save_strategy": "no",
-                 "report_to": "none", "output_dir": out_dir}
+    overrides = {
+        **CONFIGS[name].overrides(),
+        "data.synthetic": json.dumps(workload(shape, seq, 8 * args.steps, args.prompt_tokens)),
+        "data.train_files": "[]",
+        "data.global_batch_size": "null",
+        "max_length": str(seq),
+        "max_steps": str(args.steps),
+        "per_device_train_batch_size": "1",
+        "gradient_accumulation_steps": "1",
+        "logging_steps": "1",
+        "save_strategy": "no",
+        "report_to": "none",
+        "output_dir": out_dir,
+    }
     if args.layers:
         overrides["model.num_hidden_layers"] = str(args.layers)
     if args.memory_cap_gb:
@@ -65,8 +72,18 @@ def build_command(args, name: str, seq: int, out_dir: str, shape: str = "equal")
     # the launcher installed beside this Python (a virtualenv not on PATH), else the one on PATH
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     launcher = launcher if os.path.exists(launcher) else "deepspeed"
-    return [launcher, "--num_gpus", str(args.gpus), "--master_port", str(args.port), script, args.ds_config,
-            "--recipe", args.recipe, *flat]
+    return [
+        launcher,
+        "--num_gpus",
+        str(args.gpus),
+        "--master_port",
+        str(args.port),
+        script,
+        args.ds_config,
+        "--recipe",
+        args.recipe,
+        *flat,
+    ]
 
 
 def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
@@ -80,19 +97,35 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     peak = agg("peak_allocated_gb", max)
     weights = steady[-1].get("weights_gb")
-    return {"peak_allocated_gb": peak, "above_weights_gb": round(peak - weights, 3) if peak is not None and weights else None,
-            "weights_gb": weights, "peak_reserved_gb": agg("peak_reserved_gb", max),
-            "frag_gap_gb": agg("frag_gap_gb", max), "step_time_s": agg("step_time_s", median),
-            "tokens_per_s": agg("tokens_per_s", median), "host_rss_gb": agg("host_rss_gb", max),
-            "host_pinned_gb": agg("host_pinned_gb", max), "alloc_retries": agg("alloc_retries", max),
-            "steps_measured": len(steady),
-            # every step, the first included: its optimizer step allocates the optimizer state
-            **{k: max((r[k] for r in records if r.get(k) is not None), default=None)
-               for k in ("activation_peak_allocated_gb", "activation_peak_reserved_gb", "optimizer_peak_allocated_gb",
-                         "optimizer_peak_reserved_gb", "offloaded_gb", "offloaded_param_shaped")},
-            "first_step_peak_reserved_gb": records[0].get("peak_reserved_gb") if records else None,
-            "run_peak_reserved_gb": max((r["peak_reserved_gb"] for r in records if r.get("peak_reserved_gb") is not None),
-                                        default=None)}
+    return {
+        "peak_allocated_gb": peak,
+        "above_weights_gb": round(peak - weights, 3) if peak is not None and weights else None,
+        "weights_gb": weights,
+        "peak_reserved_gb": agg("peak_reserved_gb", max),
+        "frag_gap_gb": agg("frag_gap_gb", max),
+        "step_time_s": agg("step_time_s", median),
+        "tokens_per_s": agg("tokens_per_s", median),
+        "host_rss_gb": agg("host_rss_gb", max),
+        "host_pinned_gb": agg("host_pinned_gb", max),
+        "alloc_retries": agg("alloc_retries", max),
+        "steps_measured": len(steady),
+        # every step, the first included: its optimizer step allocates the optimizer state
+        **{
+            k: max((r[k] for r in records if r.get(k) is not None), default=None)
+            for k in (
+                "activation_peak_allocated_gb",
+                "activation_peak_reserved_gb",
+                "optimizer_peak_allocated_gb",
+                "optimizer_peak_reserved_gb",
+                "offloaded_gb",
+                "offloaded_param_shaped",
+            )
+        },
+        "first_step_peak_reserved_gb": records[0].get("peak_reserved_gb") if records else None,
+        "run_peak_reserved_gb": max(
+            (r["peak_reserved_gb"] for r in records if r.get("peak_reserved_gb") is not None), default=None
+        ),
+    }
 
 
 def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
@@ -104,14 +137,21 @@ def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
     log = proc.stdout + proc.stderr
     with open(os.path.join(args.out, "bench.log"), "a") as f:
         f.write(f"\n===== {name} @ {seq} {shape} (rc={proc.returncode})\n$ {shlex.join(cmd)}\n{log[-4000:]}\n")
-    result = {"config": name, "seq_tokens": seq, "workload": shape, "rc": proc.returncode,
-              "wall_s": round(time.time() - t0, 1),
-              "command": shlex.join(cmd), "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log}
+    result = {
+        "config": name,
+        "seq_tokens": seq,
+        "workload": shape,
+        "rc": proc.returncode,
+        "wall_s": round(time.time() - t0, 1),
+        "command": shlex.join(cmd),
+        "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log,
+    }
     jsonl = os.path.join(out_dir, "memory.jsonl")
     if os.path.exists(jsonl):
         records = [json.loads(line) for line in open(jsonl)]
-        result.update(summarise(records, args.steps if args.profile else None),
-                      allocator_conf=records[-1].get("allocator_conf"))
+        result.update(
+            summarise(records, args.steps if args.profile else None), allocator_conf=records[-1].get("allocator_conf")
+        )
     profile = os.path.join(out_dir, f"profile_step{args.steps}")
     if args.profile and os.path.exists(profile + ".json"):
         result["profile"] = json.load(open(profile + ".json"))
@@ -123,15 +163,19 @@ def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
             shutil.copy(profile + ".trace.json.gz", kept + ".trace.json.gz")
     snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
     if os.path.exists(snap):
-        from tools.analyze_snapshot import peak_holders
+        from analyze_snapshot import peak_holders  # tools/, beside this script
 
         result["peak_holders"] = peak_holders(snap)
     summary = os.path.join(out_dir, "train_summary.json")
     if os.path.exists(summary):
         s = json.load(open(summary))
-        result.update(losses=s["losses"], allocator=s["allocator"], wrapped=s["wrapped"],
-                      grad_norms=[log.get("grad_norm") for log in s["train_logs"]],
-                      planner_predicted_reserved_gb=s.get("planner_predicted_reserved_gb"))
+        result.update(
+            losses=s["losses"],
+            allocator=s["allocator"],
+            wrapped=s["wrapped"],
+            grad_norms=[log.get("grad_norm") for log in s["train_logs"]],
+            planner_predicted_reserved_gb=s.get("planner_predicted_reserved_gb"),
+        )
     return result
 
 
@@ -153,7 +197,7 @@ def matmul_tflops() -> float | None:
         a @ b
     end.record()
     torch.cuda.synchronize()
-    rate = 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3) / 1e12
+    rate = 10 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3) / 1e12
     del a, b
     torch.cuda.empty_cache()
     return round(rate, 1)
@@ -161,7 +205,7 @@ def matmul_tflops() -> float | None:
 
 def add_mfu(result: dict, environment: dict, row_setup) -> None:
     """MFU = model FLOPs per step / (step time x measured matmul rate); None without a GPU rate or a step time."""
-    from recipes.planner import model_flops_per_step
+    from longdpo.planner.plan import model_flops_per_step
 
     rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
     if result.get("workload", "equal") != "equal":  # the FLOP count assumes two full-length sequences
@@ -174,9 +218,14 @@ def add_mfu(result: dict, environment: dict, row_setup) -> None:
 def environment(args) -> dict:
     import importlib.metadata as md
 
-    info = {"python": platform.python_version(), "host": platform.node(), "mode": args.mode,
-            "memory_cap_gb": args.memory_cap_gb, "command": args.command,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    info = {
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "mode": args.mode,
+        "memory_cap_gb": args.memory_cap_gb,
+        "command": args.command,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     for pkg in ("torch", "transformers", "trl", "deepspeed", "accelerate", "datasets"):
         try:
             info[pkg] = md.version(pkg)
@@ -196,19 +245,24 @@ def render_table(results: list[dict]) -> str:
     def f(v, spec=".2f"):
         return format(v, spec) if isinstance(v, (int, float)) else "n/a"
 
-    lines = ["| Seqlen | Workload | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | "
-             "Frag gap (GB) | Step Time (s) | Real tokens/s | MFU | Host RSS (GB) | Pinned host (GB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Seqlen | Workload | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | "
+        "Frag gap (GB) | Step Time (s) | Real tokens/s | MFU | Host RSS (GB) | Pinned host (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         head = f"| {r['seq_tokens']} | {r.get('workload', 'equal')} | {r['config']} |"
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
             status = "OOM" if r["oom"] else "timed out" if r["rc"] == 124 else f"failed (rc {r['rc']})"
             lines.append(f"{head} {status} | | | | | | | | |")
             continue
-        lines.append(f"{head} {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
-                     f"{f(r['peak_reserved_gb'])} | "
-                     f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | {f(r.get('mfu'), '.1%')} | "
-                     f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} |")
+        lines.append(
+            f"{head} {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
+            f"{f(r['peak_reserved_gb'])} | "
+            f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | "
+            f"{f(r.get('mfu'), '.1%')} | "
+            f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -241,8 +295,15 @@ def plot(results: list[dict], path: str, curves: dict[str, list[str]] | None = N
             pts.update({r["seq_tokens"]: r[key] for r in results if r["config"] == config and r.get(key) is not None})
         if pts:
             xs = sorted(pts)
-            ax.plot(xs, [pts[x] for x in xs], marker="osD^v<>"[i % 7], color=colors(i % 10), label=label,
-                    linewidth=2, markersize=7)
+            ax.plot(
+                xs,
+                [pts[x] for x in xs],
+                marker="osD^v<>"[i % 7],
+                color=colors(i % 10),
+                label=label,
+                linewidth=2,
+                markersize=7,
+            )
     ax.set_xlabel("tokens per sequence")
     ax.set_ylabel("GB above the weights (peak allocated)" if above else "peak allocated (GB)")
     ax.set_ylim(bottom=0)
@@ -259,30 +320,56 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_arguments(p)
     p.add_argument("--configs", default="stock,stock+offload,attn_mlp,norm_attn_mlp,layer+norm_attn_mlp")
-    p.add_argument("--seq-tokens", default="12288", help="comma-separated tokens per sequence (prompt + the longer "
-                                                          "completion)")
-    p.add_argument("--workloads", default="equal",
-                   help=f"comma-separated pair shapes, from {', '.join(WORKLOADS)} (recipes/data.py WORKLOADS)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="the prompt of the equal and unequal workloads "
-                                                                   "(at most a quarter of the sequence)")
+    p.add_argument(
+        "--seq-tokens", default="12288", help="comma-separated tokens per sequence (prompt + the longer completion)"
+    )
+    p.add_argument(
+        "--workloads",
+        default="equal",
+        help=f"comma-separated pair shapes, from {', '.join(WORKLOADS)} (recipes/data.py WORKLOADS)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=1024,
+        help="the prompt of the equal and unequal workloads (at most a quarter of the sequence)",
+    )
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--mode", choices=("zero3", "emulate"), default="zero3",
-                   help="zero3: the real path, deepspeed launcher + AdamW; emulate: the per-rank emulation, one process, SGD in "
-                        "backward with gradients freed (the activation footprint of one ZeRO-3 rank)")
-    p.add_argument("--launcher", choices=("deepspeed", "python"), default=None,
-                   help="defaults to deepspeed for --mode zero3, python for --mode emulate")
+    p.add_argument(
+        "--mode",
+        choices=("zero3", "emulate"),
+        default="zero3",
+        help="zero3: the real path, deepspeed launcher + AdamW; emulate: the per-rank emulation, one process, SGD in "
+        "backward with gradients freed (the activation footprint of one ZeRO-3 rank)",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=("deepspeed", "python"),
+        default=None,
+        help="defaults to deepspeed for --mode zero3, python for --mode emulate",
+    )
     p.add_argument("--ds-config", default="ds_configs/zero3.json")
     p.add_argument("--port", type=int, default=29600)
     p.add_argument("--memory-cap-gb", type=float, default=None, help="emulate a smaller GPU (e.g. 80 for an H100)")
     p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--snapshot", action="store_true",
-                   help="record CUDA memory history for 2 steps and write what holds the peak (analyze_snapshot.py)")
-    p.add_argument("--profile", action="store_true",
-                   help="profile the last step (not timed) and write where its time went (recipes/profiling.py) to "
-                        "results.json and profiles/<config>_<tokens>.md, its whole trace to profiles/<config>_<tokens>"
-                        ".trace.json.gz")
-    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
-                   help="run nothing: merge these results.json files' per-rank emulation rows into one table and chart in --out")
+    p.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="record CUDA memory history for 2 steps and write what holds the peak (analyze_snapshot.py)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the last step (not timed) and write where its time went (recipes/profiling.py) to "
+        "results.json and profiles/<config>_<tokens>.md, its whole trace to profiles/<config>_<tokens>"
+        ".trace.json.gz",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="run nothing: merge these results.json files' per-rank emulation rows into one table and chart in --out",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = shlex.join([sys.executable, "tools/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
@@ -299,8 +386,8 @@ def parse_args(argv=None):
 
 
 def _attn_width(args) -> int:
-    from recipes.config import load_recipe
-    from recipes.modeling import load_architecture
+    from longdpo.config import load_recipe
+    from longdpo.model.build import load_architecture
 
     arch = load_architecture(load_recipe(os.path.join(ROOT, args.recipe)).model)
     return arch.num_attention_heads * (getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads)
@@ -317,15 +404,19 @@ def write_outputs(out: str, environment: dict, results: list[dict], curves: dict
 
 
 def merge(paths: list[str], out: str) -> list[dict]:
-    """One table and chart of many runs' per-rank emulation rows (GB above the same weights, so they compare), the newest row
-    of each (configuration, length) winning; each row keeps the results file it came from."""
+    """One table and chart of many runs' per-rank emulation rows (GB above the same weights, so they compare), the
+    newest row of each (configuration, length, workload) winning; each row keeps the results file it came from."""
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing or not paths:
-        sys.exit(f"error: --merge needs results.json files written by this benchmark; not found: {missing or 'none given'}")
+        sys.exit(
+            f"error: --merge needs results.json files written by this benchmark; not found: {missing or 'none given'}"
+        )
     runs = [(path, json.load(open(path))) for path in paths]
-    # one-invocation files only (not an earlier merge), per-rank emulation rows, oldest first so that the newest row wins
-    runs = sorted(((p, d) for p, d in runs if d["environment"].get("mode") == "emulate"),
-                  key=lambda run: run[1]["environment"]["date"])
+    # one-invocation files only (not an earlier merge), per-rank emulation rows, oldest first: the newest row wins
+    runs = sorted(
+        ((p, d) for p, d in runs if d["environment"].get("mode") == "emulate"),
+        key=lambda run: run[1]["environment"]["date"],
+    )
     rows = {}
     for path, data in runs:
         for r in data["results"]:
@@ -345,15 +436,34 @@ def main(argv=None) -> list[dict]:
     env = {**environment(args), "matmul_tflops": matmul_tflops()}
     attn_width = _attn_width(args)
     results = []
-    runs = [(seq, shape, name) for seq in [int(s) for s in args.seq_tokens.split(",")]
-            for shape in args.workloads.split(",") for name in args.configs.split(",")]
+    runs = [
+        (seq, shape, name)
+        for seq in [int(s) for s in args.seq_tokens.split(",")]
+        for shape in args.workloads.split(",")
+        for name in args.configs.split(",")
+    ]
     for seq, shape, name in runs:
         results.append(run_one(args, name, seq, shape))
         setup = setup_from_result(env, results[-1])
         add_mfu(results[-1], env, (setup, attn_width))
-        print(json.dumps({k: results[-1].get(k) for k in ("config", "seq_tokens", "workload", "rc",
-                                                          "above_weights_gb", "peak_reserved_gb", "step_time_s",
-                                                          "tokens_per_s")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: results[-1].get(k)
+                    for k in (
+                        "config",
+                        "seq_tokens",
+                        "workload",
+                        "rc",
+                        "above_weights_gb",
+                        "peak_reserved_gb",
+                        "step_time_s",
+                        "tokens_per_s",
+                    )
+                }
+            ),
+            flush=True,
+        )
         write_outputs(args.out, env, results)
     return results
 

@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-results/gpu_acceptance/latest.log}
 mkdir -p "$(dirname "$LOG")"
-python3 -c "import trl, deepspeed" 2>/dev/null || source tools/offline_env.sh
+python3 -c "import trl, deepspeed, longdpo" 2>/dev/null || source tools/offline_env.sh
 {
     echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
     echo "commit: ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"

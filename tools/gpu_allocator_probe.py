@@ -9,11 +9,15 @@ import json
 import subprocess
 import sys
 
+SET_ENV = "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64'"
+INIT = "torch.zeros(1, device='cuda')"
 CASES = {
-    "env_after_import_before_init": "import os, torch; os.environ['PYTORCH_CUDA_ALLOC_CONF'] = os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64'; torch.zeros(1, device='cuda')",
-    "env_after_cuda_init": "import os, torch; torch.zeros(1, device='cuda'); os.environ['PYTORCH_CUDA_ALLOC_CONF'] = os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64'; torch.zeros(1, device='cuda')",
-    "runtime_call_after_init": "import torch; torch.zeros(1, device='cuda'); torch.cuda.memory._set_allocator_settings('max_split_size_mb:64'); torch.zeros(1, device='cuda')",
-    "recipes_allocator_apply_after_init": "import sys; sys.path.insert(0, '.'); import torch; torch.zeros(1, device='cuda'); from recipes import allocator; r = allocator.apply('max_split_size_mb:64'); print(r['path'], file=sys.stderr)",
+    "env_after_import_before_init": f"import os, torch; {SET_ENV}; {INIT}",
+    "env_after_cuda_init": f"import os, torch; {INIT}; {SET_ENV}; {INIT}",
+    "runtime_call_after_init": f"import torch; {INIT}; "
+    f"torch.cuda.memory._set_allocator_settings('max_split_size_mb:64'); {INIT}",
+    "recipes_allocator_apply_after_init": f"import sys, torch; {INIT}; from longdpo.model import allocator; "
+    "r = allocator.apply('max_split_size_mb:64'); print(r['path'], file=sys.stderr)",
 }
 out = {}
 for name, code in CASES.items():

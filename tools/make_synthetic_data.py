@@ -6,12 +6,8 @@ Recipes can also build them in memory: `data: {synthetic: {pairs: 64, seq_tokens
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from recipes.data import synthetic_pairs, write_jsonl  # noqa: E402
+from longdpo.data import synthetic_pairs, write_jsonl
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

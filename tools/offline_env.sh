@@ -13,7 +13,8 @@ if [ ! -d /tmp/site/deepspeed ] || [ ! -d /tmp/site/trl ]; then
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
         --target /tmp/site .whl/deepspeed-*.tar.gz
 fi
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+# and this checkout's `longdpo` package importable, as `pip install -e .` makes it where pip can build
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 keep() {
     local OUT=${OUT:-results/incoming}
     mkdir -p "$OUT/$1"

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def measure(fn, hidden, weight, targets) -> dict:
@@ -33,9 +30,11 @@ def measure(fn, hidden, weight, targets) -> dict:
     t0 = time.perf_counter()
     loss.backward()
     torch.cuda.synchronize()
-    return {"backward_s": round(time.perf_counter() - t0, 3),
-            "backward_peak_above_inputs_gb": round((torch.cuda.max_memory_allocated() - base) / 1e9, 3),
-            "grads": (h.grad, w.grad)}
+    return {
+        "backward_s": round(time.perf_counter() - t0, 3),
+        "backward_peak_above_inputs_gb": round((torch.cuda.max_memory_allocated() - base) / 1e9, 3),
+        "grads": (h.grad, w.grad),
+    }
 
 
 def attention(seq: int, batch: int = 2, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
@@ -43,12 +42,17 @@ def attention(seq: int, batch: int = 2, heads: int = 32, kv_heads: int = 8, dim:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))
+    k, v = (
+        torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
     rows = {}
     for name in ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-        backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                     SDPBackend.MATH] if name == "default" else [getattr(SDPBackend, name)])
+        backends = (
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+            if name == "default"
+            else [getattr(SDPBackend, name)]
+        )
         try:
             for _ in range(2):  # the second is measured
                 q.grad = k.grad = v.grad = None
@@ -60,8 +64,10 @@ def attention(seq: int, batch: int = 2, heads: int = 32, kv_heads: int = 8, dim:
                     out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
                 out.backward(torch.ones_like(out))
                 torch.cuda.synchronize()
-                rows[name] = {"fwd_bwd_s": round(time.perf_counter() - t0, 3),
-                              "peak_above_inputs_gb": round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)}
+                rows[name] = {
+                    "fwd_bwd_s": round(time.perf_counter() - t0, 3),
+                    "peak_above_inputs_gb": round((torch.cuda.max_memory_allocated() - base) / 1e9, 3),
+                }
                 del out
         except (RuntimeError, NotImplementedError) as e:  # this backend cannot run these shapes
             rows[name] = {"error": str(e).splitlines()[0][:200]}
@@ -114,8 +120,8 @@ def mlp(seq: int, chunks: int = 3, batch: int = 2, hidden: int = 5120, ffn: int 
         rows["forward_no_grad_ms"] = _cuda_ms(lambda: module(x))
     rows["forward_ms"] = _cuda_ms(lambda: module(x))
     for how in ("sequence", "flat"):
-        rows[f"chunked_forward_{how}_ms"] = _cuda_ms(lambda: chunked(how))
-        rows[f"chunked_forward_backward_{how}_ms"] = _cuda_ms(lambda: backward(how))
+        rows[f"chunked_forward_{how}_ms"] = _cuda_ms(lambda how=how: chunked(how))
+        rows[f"chunked_forward_backward_{how}_ms"] = _cuda_ms(lambda how=how: backward(how))
     rows["forward_backward_ms"] = _cuda_ms(lambda: module(x).sum().backward())
     return rows
 
@@ -123,7 +129,7 @@ def mlp(seq: int, chunks: int = 3, batch: int = 2, hidden: int = 5120, ffn: int 
 def main(argv=None):
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    from recipes.lean_lm_head import LeanLMHeadLogProb
+    from longdpo.model.lean_lm_head import LeanLMHeadLogProb
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=24576)
@@ -142,12 +148,19 @@ def main(argv=None):
     for fn in (ChunkedLogProbFunction, LeanLMHeadLogProb, ChunkedLogProbFunction, LeanLMHeadLogProb):  # 2nd = warm
         rows[fn.__name__] = measure(fn, hidden, weight, targets)
     (h0, w0), (h1, w1) = rows["ChunkedLogProbFunction"].pop("grads"), rows["LeanLMHeadLogProb"].pop("grads")
-    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
-           "tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden, **rows,
-           "max_abs_diff_grad_hidden": (h1.float() - h0.float()).abs().max().item(),
-           "max_abs_grad_hidden": h0.float().abs().max().item(),
-           "max_abs_diff_grad_weight": (w1.float() - w0.float()).abs().max().item(),
-           "max_abs_grad_weight": w0.float().abs().max().item()}
+    out = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        **rows,
+        "max_abs_diff_grad_hidden": (h1.float() - h0.float()).abs().max().item(),
+        "max_abs_grad_hidden": h0.float().abs().max().item(),
+        "max_abs_diff_grad_weight": (w1.float() - w0.float()).abs().max().item(),
+        "max_abs_grad_weight": w0.float().abs().max().item(),
+    }
     del hidden, weight, h0, w0, h1, w1
     torch.cuda.empty_cache()
     with open(args.out, "w") as f:

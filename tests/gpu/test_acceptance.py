@@ -32,12 +32,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+from longdpo.cluster.distributed import run_job
+from longdpo.data import workload
+from longdpo.planner.levers import Levers
 
-from recipes.data import workload  # noqa: E402
-from recipes.levers import BASE  # noqa: E402  (the neutral settings every lever run starts from)
-from recipes.distributed import run_job  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -74,19 +73,46 @@ class Run:
         return self.overrides.get("activation_offloading", str(shipped).lower()) == "true"
 
     def command(self, out_dir: str, port: int) -> list[str]:
-        over = {"model.num_hidden_layers": str(self.layers), "max_length": str(self.seq),
-                "data.synthetic": json.dumps(workload(self.workload, self.seq, STEPS + 1)),
-                "data.train_files": "[]", "data.global_batch_size": "null", "max_steps": str(STEPS),
-                "per_device_train_batch_size": "1", "gradient_accumulation_steps": "1", "save_strategy": "no",
-                "report_to": "none", "logging_steps": "1", "output_dir": out_dir, **self.overrides}
-        args = ["--recipe", os.path.join(RECIPES, self.recipe),
-                *[x for k, v in over.items() for x in (f"--{k}", v)], "--no_final_save"]
+        over = {
+            "model.num_hidden_layers": str(self.layers),
+            "max_length": str(self.seq),
+            "data.synthetic": json.dumps(workload(self.workload, self.seq, STEPS + 1)),
+            "data.train_files": "[]",
+            "data.global_batch_size": "null",
+            "max_steps": str(STEPS),
+            "per_device_train_batch_size": "1",
+            "gradient_accumulation_steps": "1",
+            "save_strategy": "no",
+            "report_to": "none",
+            "logging_steps": "1",
+            "output_dir": out_dir,
+            **self.overrides,
+        }
+        args = [
+            "--recipe",
+            os.path.join(RECIPES, self.recipe),
+            *[x for k, v in over.items() for x in (f"--{k}", v)],
+            "--no_final_save",
+        ]
         if self.launcher == "python":
             return [sys.executable, TRAIN, *args]
         if self.launcher == "accelerate":
-            return [shutil.which("accelerate"), "launch", "--config_file", ACCELERATE, "--num_processes", "1",
-                    "--main_process_port", str(port), TRAIN, *args]
+            return [
+                shutil.which("accelerate"),
+                "launch",
+                "--config_file",
+                ACCELERATE,
+                "--num_processes",
+                "1",
+                "--main_process_port",
+                str(port),
+                TRAIN,
+                *args,
+            ]
         return [shutil.which("deepspeed"), "--num_gpus", "1", "--master_port", str(port), TRAIN, ZERO3, *args]
+
+
+BASE = Levers().overrides()  # the neutral settings every lever run starts from
 
 
 def lever(*, workload: str = "equal", seq: int = SHORT, compare: bool = True, **overrides) -> Run:
@@ -101,8 +127,9 @@ RUNS = {
     "dpo_12k/python": Run("dpo_12k.yaml", launcher="python", weight_gb=22),
     "dpo_64k/deepspeed/64k": Run("dpo_64k.yaml", layers=2, seq=65536, weight_gb=77, compare=False),
     "dpo_64k/deepspeed": Run("dpo_64k.yaml"),
-    "dpo_128k_sp8/deepspeed/16k_per_rank": Run("dpo_128k_sp8.yaml", seq=16384, overrides={"parallelism.sp_size": "1"},
-                                               weight_gb=50, compare=False),
+    "dpo_128k_sp8/deepspeed/16k_per_rank": Run(
+        "dpo_128k_sp8.yaml", seq=16384, overrides={"parallelism.sp_size": "1"}, weight_gb=50, compare=False
+    ),
     # every lever alone, ZeRO-3, against stock TRL (transformers' layer checkpointing, nothing of ours)
     "stock": lever(),
     "attn_mlp": lever(**{"memory.checkpointing": "attn_mlp"}),
@@ -120,28 +147,52 @@ RUNS = {
     # Liger's kernels (use_liger_kernel): as the library gives them, with TRL's offloading, and under our levers
     "liger": lever(use_liger_kernel="true"),
     "stock+offload+liger": lever(activation_offloading="true", use_liger_kernel="true"),
-    "layer+lean+liger+chunked3+head+offload": lever(activation_offloading="true", use_liger_kernel="true", **{
-        "memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
+    "layer+lean+liger+chunked3+head+offload": lever(
+        activation_offloading="true",
+        use_liger_kernel="true",
+        **{"memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"},
+    ),
     # LoRA (model.use_peft): the one-GPU recipe as shipped, without DeepSpeed, short and at its 64k; and under ZeRO-3
     # with every lever (TRL forces reentrant layer checkpointing for PEFT + ZeRO-3; our checkpoints nest in it)
     "dpo_lora_64k/python": Run("dpo_lora_64k.yaml", launcher="python", weight_gb=15, compare=False, planned=False),
-    "dpo_lora_64k/python/64k": Run("dpo_lora_64k.yaml", launcher="python", layers=2, seq=65536, weight_gb=40,
-                                   compare=False, planned=False),
-    "lora+layer+norm_attn+lean+chunked4+head+offload": Run("dpo_12k.yaml", compare=False, planned=False, overrides={
-        **BASE, "activation_offloading": "true", "model.use_peft": "true", "model.lora_target_modules": "all-linear",
-        "memory.checkpointing": "layer+norm_attn", "memory.lean_norm": "true", "memory.lean_lm_head": "true",
-        "memory.mlp_chunks": "4"}),
+    "dpo_lora_64k/python/64k": Run(
+        "dpo_lora_64k.yaml", launcher="python", layers=2, seq=65536, weight_gb=40, compare=False, planned=False
+    ),
+    "lora+layer+norm_attn+lean+chunked4+head+offload": Run(
+        "dpo_12k.yaml",
+        compare=False,
+        planned=False,
+        overrides={
+            **BASE,
+            "activation_offloading": "true",
+            "model.use_peft": "true",
+            "model.lora_target_modules": "all-linear",
+            "memory.checkpointing": "layer+norm_attn",
+            "memory.lean_norm": "true",
+            "memory.lean_lm_head": "true",
+            "memory.mlp_chunks": "4",
+        },
+    ),
     # Pairs whose chosen and rejected differ in length (the batch padded to 4,160 tokens, 64 mod 128), with TRL's
     # padding mask and without it (ours), on stock and on the shipped recipes; prompts of 90% of the sequence
     "unequal/keep_mask": lever(**{"memory.padding_mask": "keep"}, workload="unequal", seq=UNEQUAL, compare=False),
     "unequal": lever(workload="unequal", seq=UNEQUAL, compare=False),
     "unequal/dpo_64k": Run("dpo_64k.yaml", workload="unequal", seq=UNEQUAL, compare=False),
     "long-prompt/dpo_12k": Run("dpo_12k.yaml", workload="long-prompt", seq=UNEQUAL, compare=False),
-    "unequal/dpo_lora_64k/python": Run("dpo_lora_64k.yaml", launcher="python", workload="unequal", seq=UNEQUAL,
-                                       weight_gb=15, compare=False, planned=False),
+    "unequal/dpo_lora_64k/python": Run(
+        "dpo_lora_64k.yaml",
+        launcher="python",
+        workload="unequal",
+        seq=UNEQUAL,
+        weight_gb=15,
+        compare=False,
+        planned=False,
+    ),
     # the shipped combination of the 12k headline (dpo_12k's and dpo_64k's run above, as recipes)
-    "layer+lean+chunked3+head+offload": lever(activation_offloading="true", **{
-        "memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"}),
+    "layer+lean+chunked3+head+offload": lever(
+        activation_offloading="true",
+        **{"memory.lean_norm": "true", "memory.lean_lm_head": "true", "memory.mlp_chunks": "3"},
+    ),
 }
 
 
@@ -161,8 +212,12 @@ def relative(cmd: list[str]) -> list[str]:
 def write_runs(results: dict, path: str) -> None:
     """What the planner calibrates from and the acceptance log summarises: per run, its command, exit status,
     per-step telemetry and train summary (without the log tail)."""
-    environment = {"gpu": torch.cuda.get_device_name(0), "commit": os.environ.get("GIT_COMMIT"),
-                   "date": time.strftime("%Y-%m-%d %H:%M:%S"), "suite": "tests/gpu/test_acceptance.py"}
+    environment = {
+        "gpu": torch.cuda.get_device_name(0),
+        "commit": os.environ.get("GIT_COMMIT"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "suite": "tests/gpu/test_acceptance.py",
+    }
     keep = ("argv", "rc", "wall_s", "records", "summary")
     runs = {name: {k: results[name][k] for k in keep} for name in RUNS if name in results}
     with open(path, "w") as f:
@@ -174,9 +229,23 @@ def write_runs(results: dict, path: str) -> None:
 
 # run -> the run whose curve it must keep: levers that only recompute, move or re-place tensors, on stock's arithmetic
 # or on Liger's; a launch form on the shipped recipe's
-EXACT = {**{name: "stock" for name in ("attn_mlp", "norm_attn_mlp", "layer+norm_attn_mlp", "offload",
-                                       "offload_pageable", "alloc_max_split_64", "alloc_expandable", "empty_cache")},
-         "stock+offload+liger": "liger", "dpo_12k/accelerate": "dpo_12k/deepspeed"}
+EXACT = {
+    **{
+        name: "stock"
+        for name in (
+            "attn_mlp",
+            "norm_attn_mlp",
+            "layer+norm_attn_mlp",
+            "offload",
+            "offload_pageable",
+            "alloc_max_split_64",
+            "alloc_expandable",
+            "empty_cache",
+        )
+    },
+    "stock+offload+liger": "liger",
+    "dpo_12k/accelerate": "dpo_12k/deepspeed",
+}
 # run -> the run on the same pairs whose step-1 gradient norm it must give: the mask dropped (right padding under
 # causal attention) against TRL's mask; another attention kernel, so bf16 rounding: held to the norm only
 SAME_GRADIENTS = {"unequal": "unequal/keep_mask"}
@@ -195,9 +264,16 @@ def _launch(name: str, run: Run, port: int) -> dict:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     proc = run_job(cmd, RUN_TIMEOUT_S, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
-    result = {"name": name, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "out_dir": out_dir,
-              "argv": relative(cmd), "command": " ".join(cmd), "log_tail": proc.stdout[-5000:],
-              "records": _records(out_dir)}
+    result = {
+        "name": name,
+        "rc": proc.returncode,
+        "wall_s": round(time.time() - t0, 1),
+        "out_dir": out_dir,
+        "argv": relative(cmd),
+        "command": " ".join(cmd),
+        "log_tail": proc.stdout[-5000:],
+        "records": _records(out_dir),
+    }
     summary = os.path.join(out_dir, "train_summary.json")
     result["summary"] = json.load(open(summary)) if os.path.exists(summary) else None
     return result
@@ -223,7 +299,7 @@ def runs() -> dict:
     threads = []
     for i, (name, run) in enumerate(queue):
         with lock:
-            lock.wait_for(lambda: in_use[0] == 0 or in_use[0] + run.weight_gb <= BUDGET_GB)
+            lock.wait_for(lambda need=run.weight_gb: in_use[0] == 0 or in_use[0] + need <= BUDGET_GB)
             in_use[0] += run.weight_gb
         t = threading.Thread(target=worker, args=(name, run, 29700 + i))
         t.start()
@@ -240,9 +316,12 @@ def report(results: dict) -> str:
     def f(v, spec=".2f"):
         return format(v, spec) if isinstance(v, (int, float)) else "-"
 
-    lines = ["| run | launcher | layers | tokens | rc | step-1 loss | step-1 grad norm | peak reserved (GB) | "
-             "planner (GB) | planner error | activation / optimizer-step peak allocated (GB) | offloaded per step "
-             "(GB) | wall (s) |", "|" + "---|" * 13]
+    lines = [
+        "| run | launcher | layers | tokens | rc | step-1 loss | step-1 grad norm | peak reserved (GB) | "
+        "planner (GB) | planner error | activation / optimizer-step peak allocated (GB) | offloaded per step "
+        "(GB) | wall (s) |",
+        "|" + "---|" * 13,
+    ]
     for name, run in RUNS.items():
         r = results.get(name, {})
         s, rec = r.get("summary") or {}, r.get("records") or []
@@ -252,25 +331,28 @@ def report(results: dict) -> str:
         act = max((x.get("activation_peak_allocated_gb") or 0 for x in rec), default=None)
         opt = max((x.get("optimizer_peak_allocated_gb") or 0 for x in rec), default=None)
         off = rec[-1].get("offloaded_gb") if rec else None
-        lines.append(f"| {name} | {run.launcher} | {run.layers} | {run.seq} {run.workload} | {r.get('rc')} | "
-                     f"{f(logs[0].get('loss'), '.4f')} | "
-                     f"{f(logs[0].get('grad_norm'), '.4f')} | {f(measured)} | {f(predicted)} | {f(error, '+.1%')} | "
-                     f"{f(act)} / {f(opt)} | {f(off)} | {f(r.get('wall_s'), '.0f')} |")
+        lines.append(
+            f"| {name} | {run.launcher} | {run.layers} | {run.seq} {run.workload} | {r.get('rc')} | "
+            f"{f(logs[0].get('loss'), '.4f')} | "
+            f"{f(logs[0].get('grad_norm'), '.4f')} | {f(measured)} | {f(predicted)} | {f(error, '+.1%')} | "
+            f"{f(act)} / {f(opt)} | {f(off)} | {f(r.get('wall_s'), '.0f')} |"
+        )
     return "\n".join(lines)
 
 
 # ---- kernels on the GPU, bf16, Triton (before the runs, which need the memory) ------------------------------------
 
+
 def test_lean_lm_head_matches_trls_head_on_gpu():
     from trl.kernels import chunked_logprob as trl_kernel
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
 
-    from recipes.lean_lm_head import LeanLMHeadLogProb
+    from longdpo.model.lean_lm_head import LeanLMHeadLogProb
 
     assert trl_kernel._use_triton(torch.device("cuda"))
     torch.manual_seed(0)
     hidden = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
-    weight = (torch.randn(131072, 5120, device="cuda", dtype=torch.bfloat16) * 0.02)
+    weight = torch.randn(131072, 5120, device="cuda", dtype=torch.bfloat16) * 0.02
     targets = torch.randint(0, 131072, (4096,), device="cuda")
     got = {}
     for fn in (trl_kernel.ChunkedLogProbFunction, LeanLMHeadLogProb):
@@ -290,7 +372,7 @@ def test_lean_lm_head_matches_trls_head_on_gpu():
 def test_lean_norm_matches_stock_on_gpu():
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 
-    from recipes.lean_norm import make_lean
+    from longdpo.model.lean_norm import make_lean
 
     torch.manual_seed(0)
     stock = MistralRMSNorm(5120, eps=1e-5).to("cuda", torch.bfloat16)
@@ -314,15 +396,23 @@ def test_lean_norm_matches_stock_on_gpu():
 def test_our_levers_wrap_ligers_kernels_on_gpu():
     """Liger applied before our patches (recipes/liger.py): MLP chunks split Liger's SwiGLU, the lean norm replaces
     Liger's RMSNorm, and the loss and every gradient equal the Liger-only model's (bf16)."""
-    from recipes import liger
-    from recipes.checkpointing import apply_memory_patches
-    from recipes.config import ModelArgs
-    from recipes.lean_norm import LeanRMSNormFunction
-    from recipes.modeling import build_model
+    from longdpo.config import ModelArgs
+    from longdpo.model import liger
+    from longdpo.model.build import build_model
+    from longdpo.model.checkpointing import apply_memory_patches
+    from longdpo.model.lean_norm import LeanRMSNormFunction
 
     settings = ((False, 0), (False, 4), (True, 4))  # (lean norm, MLP chunks); models built before Liger patches
-    models = [build_model(ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte",
-                                    dtype="bfloat16", init_seed=1)).to("cuda").train() for _ in settings]
+    models = [
+        build_model(
+            ModelArgs(
+                architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="bfloat16", init_seed=1
+            )
+        )
+        .to("cuda")
+        .train()
+        for _ in settings
+    ]
     ids = torch.randint(0, 200, (2, 256), device="cuda")
     results = []
     for model, (lean_norm, chunks) in zip(models, settings):
@@ -330,8 +420,9 @@ def test_our_levers_wrap_ligers_kernels_on_gpu():
         apply_memory_patches(model, "layer+attn_mlp", mlp_chunks=chunks, lean_norm=lean_norm)
         layer = model.model.layers[0]
         assert layer.mlp._get_name() == "LigerSwiGLUMLP"
-        hidden = layer.input_layernorm(torch.randn(1, 8, model.config.hidden_size, device="cuda",
-                                                   dtype=torch.bfloat16, requires_grad=True))
+        hidden = layer.input_layernorm(
+            torch.randn(1, 8, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        )
         is_lean = hidden.grad_fn.name() == LeanRMSNormFunction.__name__ + "Backward"
         assert is_lean == lean_norm, hidden.grad_fn.name()
         loss = model(input_ids=ids, labels=ids).loss
@@ -352,6 +443,7 @@ def test_liger_runs_apply_ligers_kernels_under_our_levers(runs, name):
 
 
 # ---- the runs ----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_run_exits_0_starts_at_ln2_and_writes_telemetry(runs, name):
@@ -375,8 +467,14 @@ def test_planner_within_10_percent_of_measured_peak_reserved(runs, name):
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, s["planner_breakdown_gb"])
 
 
-@pytest.mark.parametrize("name", [n for n, r in RUNS.items() if "memory.allocator_conf" in r.overrides
-                                  and r.overrides["memory.allocator_conf"] != "null"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n, r in RUNS.items()
+        if "memory.allocator_conf" in r.overrides and r.overrides["memory.allocator_conf"] != "null"
+    ],
+)
 def test_allocator_setting_is_read_back_from_the_allocator(runs, name):
     allocator = runs[name]["summary"]["allocator"]
     assert allocator["path"] == "environment" and allocator["verified"] is True, allocator
@@ -424,13 +522,13 @@ def test_unequal_pairs_without_the_mask_give_the_masked_gradients(runs, name):
 
 def test_attention_kernel_on_unequal_pairs_with_and_without_the_mask():
     """Which attention kernel runs for a right-padded DPO batch of the 12B's attention shape (32 query / 8 key-value
-    heads of 128, bf16, rows of 4,160 and 3,808 real tokens, padded to 4,160: 64 mod 128), through transformers' SDPA path with TRL's
-    mask and with ours (none): recorded in the log; the gradients are finite either way."""
+    heads of 128, bf16, rows of 4,160 and 3,808 real tokens, padded to 4,160: 64 mod 128), through transformers' SDPA
+    path with TRL's mask and with ours (none): recorded in the log; the gradients are finite either way."""
     from torch.profiler import ProfilerActivity, profile
 
-    from recipes import padding_mask
-    from recipes.config import ModelArgs
-    from recipes.modeling import build_model
+    from longdpo.config import ModelArgs
+    from longdpo.model import padding_mask
+    from longdpo.model.build import build_model
 
     torch.manual_seed(0)
     lengths = (UNEQUAL, UNEQUAL - 352)
@@ -440,8 +538,14 @@ def test_attention_kernel_on_unequal_pairs_with_and_without_the_mask():
         mask[row, :n] = 1
     kernels = {}
     for name, drop in (("TRL's mask", False), ("no mask (ours)", True)):
-        model = build_model(ModelArgs(architecture="recipes/architectures/mistral_nemo_12b.json", tokenizer="byte",
-                                      num_hidden_layers=1, dtype="bfloat16")).to("cuda")
+        model = build_model(
+            ModelArgs(
+                architecture="recipes/architectures/mistral_nemo_12b.json",
+                tokenizer="byte",
+                num_hidden_layers=1,
+                dtype="bfloat16",
+            )
+        ).to("cuda")
         if drop:
             padding_mask.install(model)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -449,8 +553,13 @@ def test_attention_kernel_on_unequal_pairs_with_and_without_the_mask():
             (hidden.float() * mask[..., None]).square().mean().backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads), name
-        kernels[name] = sorted({e.key for e in prof.key_averages()
-                                if any(w in e.key.lower() for w in ("attention", "fmha", "flash", "cudnn", "sdpa"))})
+        kernels[name] = sorted(
+            {
+                e.key
+                for e in prof.key_averages()
+                if any(w in e.key.lower() for w in ("attention", "fmha", "flash", "cudnn", "sdpa"))
+            }
+        )
         del model, grads, hidden
         torch.cuda.empty_cache()
     for name, names in kernels.items():

@@ -15,12 +15,22 @@ from __future__ import annotations
 import logging
 import os
 
-from .config import ModelArgs, RecipeError, resolve_path
+from longdpo.config import ModelArgs, RecipeError, resolve_path
 
 logger = logging.getLogger(__name__)
 
-LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
-             "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora", "lora_save_merged")
+LORA_KEYS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_modules_to_save",
+    "lora_task_type",
+    "use_rslora",
+    "use_dora",
+    "lora_save_merged",
+)
 
 
 def peft_config(args: ModelArgs):
@@ -29,11 +39,20 @@ def peft_config(args: ModelArgs):
         return None
     from trl import ModelConfig, get_peft_config
 
-    return get_peft_config(ModelConfig(
-        use_peft=True, lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        lora_target_modules=args.lora_target_modules, lora_target_parameters=args.lora_target_parameters,
-        lora_modules_to_save=args.lora_modules_to_save, lora_task_type=args.lora_task_type,
-        use_rslora=args.use_rslora, use_dora=args.use_dora))
+    return get_peft_config(
+        ModelConfig(
+            use_peft=True,
+            lora_r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            lora_target_modules=args.lora_target_modules,
+            lora_target_parameters=args.lora_target_parameters,
+            lora_modules_to_save=args.lora_modules_to_save,
+            lora_task_type=args.lora_task_type,
+            use_rslora=args.use_rslora,
+            use_dora=args.use_dora,
+        )
+    )
 
 
 def check_lora_args(args: ModelArgs) -> None:
@@ -48,15 +67,18 @@ def check_lora_args(args: ModelArgs) -> None:
     if importlib.util.find_spec("peft") is None:
         raise RecipeError("`model.use_peft: true` needs the peft package: `pip install -r requirements.txt`.")
     if args.lora_r < 1 or args.lora_alpha <= 0:
-        raise RecipeError(f"`model.lora_r` must be at least 1 and `model.lora_alpha` positive "
-                          f"(got {args.lora_r}, {args.lora_alpha}).")
+        raise RecipeError(
+            f"`model.lora_r` must be at least 1 and `model.lora_alpha` positive (got {args.lora_r}, {args.lora_alpha})."
+        )
     if not 0 <= args.lora_dropout < 1:
         raise RecipeError(f"`model.lora_dropout` must be in [0, 1), got {args.lora_dropout}.")
     if isinstance(args.lora_modules_to_save, str):
         args.lora_modules_to_save = [args.lora_modules_to_save]
     if args.lora_save_merged and not args.name_or_path:
-        raise RecipeError("`model.lora_save_merged` merges the adapter into the base weights read from "
-                          "`model.name_or_path`; a random-init `model.architecture` has none on disk: drop it.")
+        raise RecipeError(
+            "`model.lora_save_merged` merges the adapter into the base weights read from "
+            "`model.name_or_path`; a random-init `model.architecture` has none on disk: drop it."
+        )
     _check_targets(args)
 
 
@@ -65,7 +87,7 @@ def _skeleton(args: ModelArgs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .modeling import load_architecture
+    from longdpo.model.build import load_architecture
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(load_architecture(args))
@@ -85,10 +107,13 @@ def _check_targets(args: ModelArgs) -> None:
         if isinstance(value, list):
             missing = [t for t in value if not matches(t)]
             if missing:
-                leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                                 if isinstance(m, torch.nn.Linear)})
-                raise RecipeError(f"`model.{key}` {missing} match(es) no module of this {model.config.model_type} "
-                                  f"model; its linear layers are {leaves} (or use `all-linear`).")
+                leaves = sorted(
+                    {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+                )
+                raise RecipeError(
+                    f"`model.{key}` {missing} match(es) no module of this {model.config.model_type} "
+                    f"model; its linear layers are {leaves} (or use `all-linear`)."
+                )
     adapter_params(args, model)
 
 
@@ -110,14 +135,17 @@ def _count_adapters(args: ModelArgs, skeleton) -> int:
     try:
         peft_model = get_peft_model(skeleton if skeleton is not None else _skeleton(args), peft_config(args))
     except ValueError as e:  # PEFT's own matching: a regex or default targets that find nothing, a bad task type
-        raise RecipeError(f"LoRA settings do not apply to this model: {str(e).splitlines()[0]} "
-                          "Fix `model.lora_target_modules`.") from None
+        raise RecipeError(
+            f"LoRA settings do not apply to this model: {str(e).splitlines()[0]} Fix `model.lora_target_modules`."
+        ) from None
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     if isinstance(peft_model.get_output_embeddings(), BaseTunerLayer):  # TRL refuses it after loading the model
-        raise RecipeError("`model.lora_target_modules` adapts `lm_head`, but DPO's log-probs are computed from "
-                          "`lm_head.weight` directly, so its adapter would never train: drop `lm_head` there (list it "
-                          "in `model.lora_modules_to_save` to train the head in full).")
+        raise RecipeError(
+            "`model.lora_target_modules` adapts `lm_head`, but DPO's log-probs are computed from "
+            "`lm_head.weight` directly, so its adapter would never train: drop `lm_head` there (list it "
+            "in `model.lora_modules_to_save` to train the head in full)."
+        )
     return peft_model.get_nb_trainable_parameters()[0]
 
 
@@ -132,10 +160,9 @@ def save_merged(output_dir: str, args: ModelArgs, tokenizer) -> str:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .modeling import DTYPES, model_source
+    from longdpo.model.build import DTYPES, model_source
 
-    base = AutoModelForCausalLM.from_pretrained(model_source(resolve_path(args.name_or_path)),
-                                                dtype=DTYPES[args.dtype])
+    base = AutoModelForCausalLM.from_pretrained(model_source(resolve_path(args.name_or_path)), dtype=DTYPES[args.dtype])
     merged = PeftModel.from_pretrained(base, output_dir).merge_and_unload()
     target = os.path.join(output_dir, "merged")
     merged.save_pretrained(target)

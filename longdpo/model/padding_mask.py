@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from .config import RecipeError
+from longdpo.config import RecipeError
 
 logger = logging.getLogger(__name__)
 SETTINGS = ("auto", "keep")
@@ -38,8 +38,10 @@ def decide(setting: str, config) -> tuple[bool, str]:
         return False, "attention: TRL's padding mask is kept (memory.padding_mask: keep)"
     if config.get_text_config() is not config or getattr(config, "is_encoder_decoder", False):
         return False, "attention: the padding mask is kept (not a text-only causal decoder)"
-    return True, ("attention: no mask for right-padded pairs (causal attention already keeps each real token from the "
-                  "padding after it), so attention runs its causal kernel; memory.padding_mask: keep restores TRL's")
+    return True, (
+        "attention: no mask for right-padded pairs (causal attention already keeps each real token from the "
+        "padding after it), so attention runs its causal kernel; memory.padding_mask: keep restores TRL's"
+    )
 
 
 def right_padded(mask: torch.Tensor) -> bool:

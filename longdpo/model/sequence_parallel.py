@@ -30,13 +30,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import RecipeError
+from longdpo.config import RecipeError, trainer_default
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 
 
-def check_sequence_parallel(sp_size, world_size: int, arch, trainer: dict, attn_implementation: str,
-                            evaluating: bool = False) -> None:
+def check_sequence_parallel(
+    sp_size, world_size: int, arch, trainer: dict, attn_implementation: str, evaluating: bool = False
+) -> None:
     """Start-up checks, before any model is built. `arch` is the model's config (heads, sliding window)."""
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
         raise RecipeError(f"`parallelism.sp_size` must be a positive integer, got {sp_size!r}.")
@@ -46,37 +47,57 @@ def check_sequence_parallel(sp_size, world_size: int, arch, trainer: dict, attn_
         divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
         raise RecipeError(
             f"`parallelism.sp_size: {sp_size}` must divide the number of processes ({world_size}): launch a multiple "
-            f"of {sp_size} GPUs, or set sp_size to one of {divisors}.")
+            f"of {sp_size} GPUs, or set sp_size to one of {divisors}."
+        )
     heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
     if heads % sp_size:
-        raise RecipeError(f"`parallelism.sp_size: {sp_size}` must divide the model's {heads} attention heads "
-                          "(Ulysses gives each rank heads / sp_size of them).")
+        raise RecipeError(
+            f"`parallelism.sp_size: {sp_size}` must divide the model's {heads} attention heads "
+            "(Ulysses gives each rank heads / sp_size of them)."
+        )
     if kv_heads % sp_size and sp_size % kv_heads:
-        raise RecipeError(f"`parallelism.sp_size: {sp_size}` and the model's {kv_heads} key/value heads must divide "
-                          "one another (Ulysses splits or replicates them).")
+        raise RecipeError(
+            f"`parallelism.sp_size: {sp_size}` and the model's {kv_heads} key/value heads must divide "
+            "one another (Ulysses splits or replicates them)."
+        )
     if attn_implementation not in SUPPORTED_ATTENTION:
-        raise RecipeError(f"`parallelism.sp_size > 1` needs `model.attn_implementation` sdpa or flash_attention_2 "
-                          f"(the attention runs without a materialised mask); got {attn_implementation!r}.")
+        raise RecipeError(
+            f"`parallelism.sp_size > 1` needs `model.attn_implementation` sdpa or flash_attention_2 "
+            f"(the attention runs without a materialised mask); got {attn_implementation!r}."
+        )
     window = getattr(arch, "sliding_window", None)
-    max_length = trainer.get("max_length", 1024)
+    max_length = trainer.get("max_length", trainer_default("max_length"))
     if window is not None and (max_length is None or window < max_length):
-        raise RecipeError(f"The model uses sliding-window attention ({window} tokens) shorter than max_length "
-                          f"({max_length}); sequence parallelism runs full causal attention. Set max_length <= "
-                          f"{window} or `parallelism.sp_size: 1`.")
+        raise RecipeError(
+            f"The model uses sliding-window attention ({window} tokens) shorter than max_length "
+            f"({max_length}); sequence parallelism runs full causal attention. Set max_length <= "
+            f"{window} or `parallelism.sp_size: 1`."
+        )
     if trainer.get("padding_free"):
-        raise RecipeError("`padding_free: true` packs the pairs into one row; sequence parallelism needs the padded "
-                          "batch. Set `padding_free: false` or `parallelism.sp_size: 1`.")
+        raise RecipeError(
+            "`padding_free: true` packs the pairs into one row; sequence parallelism needs the padded "
+            "batch. Set `padding_free: false` or `parallelism.sp_size: 1`."
+        )
     if trainer.get("precompute_ref_log_probs"):
-        raise RecipeError("`precompute_ref_log_probs: true` runs the reference over the dataset before training, "
-                          "outside the sequence-parallel forward. Set it to false with `parallelism.sp_size > 1` "
-                          "(the reference is then sequence-parallel too).")
+        raise RecipeError(
+            "`precompute_ref_log_probs: true` runs the reference over the dataset before training, "
+            "outside the sequence-parallel forward. Set it to false with `parallelism.sp_size > 1` "
+            "(the reference is then sequence-parallel too)."
+        )
     if trainer.get("prediction_loss_only") is False:
-        raise RecipeError("`prediction_loss_only: false` makes evaluation recompute full logits outside the "
-                          "sequence-parallel forward; remove it (sequence parallelism sets it to true).")
-    train_bs = trainer.get("per_device_train_batch_size", 8)
-    if evaluating and trainer.get("per_device_eval_batch_size", 8) > train_bs:
-        raise RecipeError(f"With `parallelism.sp_size > 1`, `per_device_eval_batch_size` must be <= "
-                          f"per_device_train_batch_size ({train_bs}): Ulysses is built for one micro-batch size.")
+        raise RecipeError(
+            "`prediction_loss_only: false` makes evaluation recompute full logits outside the "
+            "sequence-parallel forward; remove it (sequence parallelism sets it to true)."
+        )
+    train_bs = trainer.get("per_device_train_batch_size", trainer_default("per_device_train_batch_size"))
+    if (
+        evaluating
+        and trainer.get("per_device_eval_batch_size", trainer_default("per_device_eval_batch_size")) > train_bs
+    ):
+        raise RecipeError(
+            f"With `parallelism.sp_size > 1`, `per_device_eval_batch_size` must be <= "
+            f"per_device_train_batch_size ({train_bs}): Ulysses is built for one micro-batch size."
+        )
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -94,7 +115,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n] * ctx.scale, None, None, None, None
+        return grad[:, ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n] * ctx.scale, None, None, None, None
 
 
 class SequenceParallel:
@@ -113,7 +134,8 @@ class SequenceParallel:
         # register_with_transformers builds the SP groups (consecutive ranks) and routes `attn_implementation`'s
         # attention through Ulysses, for every model of this process (policy and reference alike).
         mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model, model.config._attn_implementation, sp_size, micro_batch_size, seq_length_is_variable=True)
+            model, model.config._attn_implementation, sp_size, micro_batch_size, seq_length_is_variable=True
+        )
         self.group = mpu.get_sequence_parallel_group()
         self.rank = mpu.get_sequence_parallel_rank()
         self.dp_rank = ds_dist.get_rank() // sp_size
@@ -134,12 +156,16 @@ class SequenceParallel:
 
         def sp_forward(*args, input_ids=None, attention_mask=None, labels=None, fused_lm_head=False, **kwargs):
             if args or input_ids is None or labels is None or not fused_lm_head:
-                raise RuntimeError("sequence parallelism wraps TRL's DPO forward "
-                                   "(model(input_ids=..., labels=..., fused_lm_head=True)); got another call")
+                raise RuntimeError(
+                    "sequence parallelism wraps TRL's DPO forward "
+                    "(model(input_ids=..., labels=..., fused_lm_head=True)); got another call"
+                )
             batch, length = input_ids.shape
             if batch > self.micro_batch:
-                raise RuntimeError(f"a micro-batch of {batch} sequences exceeds the {self.micro_batch} Ulysses was "
-                                   "built for (2 x per_device_train_batch_size)")
+                raise RuntimeError(
+                    f"a micro-batch of {batch} sequences exceeds the {self.micro_batch} Ulysses was "
+                    "built for (2 x per_device_train_batch_size)"
+                )
             pad_seq, pad_batch = -length % self.k, self.micro_batch - batch
             ids = F.pad(input_ids, (0, pad_seq, 0, pad_batch), value=0)
             # label of position t = token t+1 (the shift TRL's head would do), padding and the last position -100
@@ -147,8 +173,13 @@ class SequenceParallel:
             n = ids.shape[1] // self.k
             mine = slice(self.rank * n, (self.rank + 1) * n)
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            out = fused(input_ids=ids[:, mine], position_ids=positions[:, mine], shift_labels=shift[:, mine],
-                        fused_lm_head=True, **kwargs)
+            out = fused(
+                input_ids=ids[:, mine],
+                position_ids=positions[:, mine],
+                shift_labels=shift[:, mine],
+                fused_lm_head=True,
+                **kwargs,
+            )
             fields = {f: self.gather(getattr(out, f), length - 1, batch) for f in self.FIELDS}
             loss = -fields["log_probs"].sum() / fields["label_mask"].sum().clamp(min=1)
             return FusedCausalLMOutput(loss=loss, aux_loss=out.aux_loss, **fields)
@@ -159,7 +190,9 @@ class SequenceParallel:
         """accelerate shards batches over all ranks; the K ranks of a group must get the same ones."""
         sampler = getattr(dataloader, "batch_sampler", None)
         if sampler is None or not hasattr(sampler, "num_processes"):
-            raise RuntimeError(f"cannot shard {type(dataloader).__name__} over data-parallel ranks "
-                               "(expected accelerate's BatchSamplerShard)")
+            raise RuntimeError(
+                f"cannot shard {type(dataloader).__name__} over data-parallel ranks "
+                "(expected accelerate's BatchSamplerShard)"
+            )
         sampler.num_processes, sampler.process_index = self.dp_size, self.dp_rank
         return dataloader

@@ -26,10 +26,10 @@ class LeanRMSNormFunction(torch.autograd.Function):
         out = torch.empty_like(rows, dtype=torch.result_type(weight, rows))
         rstd = torch.empty(rows.shape[0], 1, device=x.device, dtype=torch.float32)
         for s in range(0, rows.shape[0], CHUNK_TOKENS):
-            h = rows[s:s + CHUNK_TOKENS].to(torch.float32)
+            h = rows[s : s + CHUNK_TOKENS].to(torch.float32)
             r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            rstd[s:s + CHUNK_TOKENS] = r
-            out[s:s + CHUNK_TOKENS] = weight * (h * r).to(x.dtype)
+            rstd[s : s + CHUNK_TOKENS] = r
+            out[s : s + CHUNK_TOKENS] = weight * (h * r).to(x.dtype)
         ctx.save_for_backward(x, weight, rstd)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -40,13 +40,13 @@ class LeanRMSNormFunction(torch.autograd.Function):
         grad_x = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
         for s in range(0, rows.shape[0], CHUNK_TOKENS):
-            r = rstd[s:s + CHUNK_TOKENS]
-            x_hat = rows[s:s + CHUNK_TOKENS].to(torch.float32) * r
-            dy = grads[s:s + CHUNK_TOKENS]
+            r = rstd[s : s + CHUNK_TOKENS]
+            x_hat = rows[s : s + CHUNK_TOKENS].to(torch.float32) * r
+            dy = grads[s : s + CHUNK_TOKENS]
             grad_w += (dy * x_hat.to(x.dtype)).sum(0, dtype=torch.float32)
             if grad_x is not None:
                 g = (dy * weight).to(torch.float32)
-                grad_x[s:s + CHUNK_TOKENS] = (r * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+                grad_x[s : s + CHUNK_TOKENS] = (r * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))).to(x.dtype)
         grad_x = grad_x.view_as(x) if grad_x is not None else None
         return grad_x, grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None, None
 

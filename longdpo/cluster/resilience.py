@@ -42,8 +42,8 @@ import signal
 import torch
 from transformers import TrainerCallback
 
-from .config import RecipeError
-from .distributed import max_over_ranks
+from longdpo.cluster.distributed import max_over_ranks
+from longdpo.config import RecipeError
 
 logger = logging.getLogger(__name__)
 COMPLETE = "checkpoint_complete.json"
@@ -54,6 +54,7 @@ RUN_RECORDS = (PREEMPTED, "train_summary.json", "memory.jsonl", "memory_summary.
 
 
 # ---- complete checkpoints ------------------------------------------------------------------------------------------
+
 
 def mark_complete(folder: str) -> None:
     """Record every file of a finished checkpoint with its size (written last, then renamed into place)."""
@@ -93,8 +94,11 @@ def checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every checkpoint-N folder, newest first."""
     if not os.path.isdir(output_dir):
         return []
-    found = [(int(m.group(1)), os.path.join(output_dir, name)) for name in os.listdir(output_dir)
-             if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+    found = [
+        (int(m.group(1)), os.path.join(output_dir, name))
+        for name in os.listdir(output_dir)
+        if (m := _CHECKPOINT.match(name)) and os.path.isdir(os.path.join(output_dir, name))
+    ]
     return sorted(found, reverse=True)
 
 
@@ -131,8 +135,10 @@ def resolve_resume(requested, output_dir: str, is_main: bool) -> str | None:
             logger.info("no complete checkpoint in %s: starting from step 0", output_dir)
         return None
     found = f" (incomplete ones moved aside: {', '.join(p for p, _ in skipped)})" if skipped else ""
-    raise RecipeError(f"No complete checkpoint in {output_dir} to resume from{found}; start without "
-                      "--resume_from_checkpoint, or use `--resume_from_checkpoint auto` (resume if there is one).")
+    raise RecipeError(
+        f"No complete checkpoint in {output_dir} to resume from{found}; start without "
+        "--resume_from_checkpoint, or use `--resume_from_checkpoint auto` (resume if there is one)."
+    )
 
 
 def _move_aside(skipped: list[tuple[str, str]]) -> None:
@@ -148,8 +154,11 @@ def earlier_run(output_dir: str) -> list[str]:
     """The names in `output_dir` that an earlier run wrote: its checkpoints (complete or not) and its records."""
     if not os.path.isdir(output_dir):
         return []
-    return sorted(name for name in os.listdir(output_dir) if _CHECKPOINT.match(name) or name in RUN_RECORDS
-                  or name.startswith("incomplete-checkpoint-"))
+    return sorted(
+        name
+        for name in os.listdir(output_dir)
+        if _CHECKPOINT.match(name) or name in RUN_RECORDS or name.startswith("incomplete-checkpoint-")
+    )
 
 
 def check_output_dir(output_dir: str, resume, overwrite: bool) -> list[str]:
@@ -159,13 +168,17 @@ def check_output_dir(output_dir: str, resume, overwrite: bool) -> list[str]:
         raise RecipeError(f"`output_dir` {output_dir!r} is a file; set `output_dir` to a folder path.")
     found = earlier_run(output_dir)
     if overwrite and resume is not None:
-        raise RecipeError("--overwrite_output_dir deletes the checkpoints that --resume_from_checkpoint would "
-                          "continue from; pass one of the two.")
+        raise RecipeError(
+            "--overwrite_output_dir deletes the checkpoints that --resume_from_checkpoint would "
+            "continue from; pass one of the two."
+        )
     if found and resume is None and not overwrite:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        raise RecipeError(f"`output_dir` {output_dir} holds an earlier run ({shown}); resume it with "
-                          "`--resume_from_checkpoint auto`, choose another `output_dir`, or pass "
-                          "`--overwrite_output_dir` to delete that run's checkpoints and records first.")
+        raise RecipeError(
+            f"`output_dir` {output_dir} holds an earlier run ({shown}); resume it with "
+            "`--resume_from_checkpoint auto`, choose another `output_dir`, or pass "
+            "`--overwrite_output_dir` to delete that run's checkpoints and records first."
+        )
     return found if overwrite else []
 
 
@@ -203,6 +216,7 @@ def rotate(output_dir: str, keep: int | None, best: str | None = None) -> None:
 
 # ---- disk ----------------------------------------------------------------------------------------------------------
 
+
 def checkpoint_bytes(params: int, dtype_bytes: int, zero3: bool, with_optimizer: bool, lora_params: int = 0) -> float:
     """One checkpoint's size. With LoRA (`lora_params` adapter parameters) it holds the fp32 adapters and their
     optimizer state only, not the frozen weights."""
@@ -232,9 +246,6 @@ def checkpoints_kept(trainer: dict) -> int:
 
 
 def free_bytes(output_dir: str) -> int:
-    fault = os.environ.get("RECIPES_FAULT_FREE_DISK_BYTES")  # fault injection for the tests: a full disk
-    if fault:
-        return int(fault)
     path = os.path.abspath(output_dir)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -249,13 +260,42 @@ def check_disk(output_dir: str, one_checkpoint: float, kept: int, final_weights:
     total = kept * one_checkpoint + final_weights
     if first > free:
         what = "one checkpoint" if kept else "the final model"
-        raise RecipeError(f"{what} needs {first / 1e9:.1f} GB but {output_dir} has {free / 1e9:.1f} GB free; free "
-                          "space there or set `output_dir` to a larger disk.")
+        raise RecipeError(
+            f"{what} needs {first / 1e9:.1f} GB but {output_dir} has {free / 1e9:.1f} GB free; free "
+            "space there or set `output_dir` to a larger disk."
+        )
     if total > free:
-        return (f"disk: {kept} checkpoint(s) of {one_checkpoint / 1e9:.1f} GB plus the final model "
-                f"({final_weights / 1e9:.1f} GB) need {total / 1e9:.1f} GB, {output_dir} has {free / 1e9:.1f} GB "
-                "free: lower `save_total_limit` or free space before the later saves")
+        return (
+            f"disk: {kept} checkpoint(s) of {one_checkpoint / 1e9:.1f} GB plus the final model "
+            f"({final_weights / 1e9:.1f} GB) need {total / 1e9:.1f} GB, {output_dir} has {free / 1e9:.1f} GB "
+            "free: lower `save_total_limit` or free space before the later saves"
+        )
     return None
+
+
+def disk_check(recipe, output_dir: str, final_save: bool) -> str | None:
+    """A recipe's checkpoints and final model against the output dir's free space, before any model is loaded: an
+    error when not even one fits, a warning line (returned) when not all kept ones do."""
+    from longdpo.checks import check_deepspeed_config
+    from longdpo.model.build import load_architecture
+    from longdpo.planner.plan import count_params
+
+    try:
+        params = count_params(load_architecture(recipe.model))[0]
+    except (AttributeError, KeyError, TypeError):  # an architecture the planner cannot size
+        return None
+    t = recipe.trainer
+    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
+    ds_path = t.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    zero3 = bool(ds_path) and check_deepspeed_config(ds_path).get("zero_optimization", {}).get("stage") == 3
+    final, lora = params * dtype_bytes, 0
+    if recipe.model.use_peft:  # the adapters (fp32), and the merged model when asked
+        from longdpo.model.lora import adapter_params
+
+        lora = adapter_params(recipe.model)
+        final = lora * 4 + (final if recipe.model.lora_save_merged else 0)
+    one = checkpoint_bytes(params, dtype_bytes, zero3, not t.get("save_only_model"), lora)
+    return check_disk(output_dir, one, checkpoints_kept(t), final if final_save else 0)
 
 
 # ---- preemption and non-finite values ------------------------------------------------------------------------------
@@ -263,8 +303,13 @@ def check_disk(output_dir: str, one_checkpoint: float, kept: int, final_weights:
 _CODES = {None: 0.0, "gradient norm": 1.0, "loss": 2.0}  # MAX over ranks: a bad loss (the cause) outranks its norm
 # How launchers appear in a process's argv (a console script, or `python -m module`)
 LAUNCHER_SCRIPTS = {"deepspeed", "accelerate", "torchrun"}
-LAUNCHER_MODULES = {"deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
-                    "torch.distributed.launch", "accelerate.commands.launch"}
+LAUNCHER_MODULES = {
+    "deepspeed.launcher.launch",
+    "deepspeed.launcher.runner",
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "accelerate.commands.launch",
+}
 
 
 def launcher_processes() -> list[tuple]:
@@ -361,20 +406,19 @@ class ResilienceCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        fault = os.environ.get("RECIPES_FAULT_SIGNAL_AT_STEP", "")  # fault injection (the tests): "3:SIGUSR1"
-        if fault.partition(":")[0] == str(state.global_step) and state.is_world_process_zero:
-            os.killpg(os.getpgrp(), getattr(signal, fault.partition(":")[2]))  # the whole job, as SLURM signals it
         if self.signal_received is None and (gone := launcher_gone(self.launchers)):
             self.signal_received, self.stop_reason = "launcher exited", gone
-        preempt, nonfinite = max_over_ranks([float(self.signal_received is not None),
-                                             _CODES[self._local_nonfinite()]])
+        preempt, nonfinite = max_over_ranks([float(self.signal_received is not None), _CODES[self._local_nonfinite()]])
         self.nonfinite = None
         quantity = "loss" if nonfinite == 2.0 else "gradient norm"
         if nonfinite and self.skip:
             self.skipped.append((state.global_step, quantity))
             if state.is_world_process_zero:
-                logger.warning("step %d: the %s is not finite; its update was left out (run.on_nonfinite: skip)",
-                               state.global_step, quantity)
+                logger.warning(
+                    "step %d: the %s is not finite; its update was left out (run.on_nonfinite: skip)",
+                    state.global_step,
+                    quantity,
+                )
         elif nonfinite:  # stop here, save nothing: the weights may already hold the bad update
             self.stopped = (state.global_step, quantity)
             control.should_training_stop = True

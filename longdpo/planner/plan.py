@@ -33,7 +33,7 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
                  allocator rounds each block up to a power of two); ZeRO-3 CPU offload: 12 x P / R (optimizer)
                  and 2 x P / R per offloaded model's parameters per rank; times the ranks of a node
 
-The fitted numbers live in recipes/planner_calibration.json (`python launch/plan_memory.py --calibrate` rebuilds it
+The fitted numbers live in longdpo/planner/calibration.json (`python launch/plan_memory.py --calibrate` rebuilds it
 from results/); a configuration without measurements borrows its nearest measured relative and says so.
 """
 
@@ -45,11 +45,11 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 
-from .config import REPO_ROOT, Recipe
+from longdpo.config import Recipe, RecipeError, trainer_default
 
 GB = 1e9
 SUB_GROUP = 1e9  # DeepSpeed ZeRO-3's default sub_group_size: parameters per optimizer sub-step
-CALIBRATION = os.path.join(REPO_ROOT, "recipes", "planner_calibration.json")
+CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 # bf16 bytes kept per token, per layer, per hidden unit by each policy's checkpoints (before offloading)
 STORED_BYTES = {"layer": 2.0, "attn_mlp": 16.0, "norm_attn": 14.0, "norm_attn_mlp": 8.0}
 
@@ -102,8 +102,10 @@ class Plan:
 
     def limits(self):
         """(predicted, limit, where) for each limit that was given."""
-        for used, limit, where in ((self.peak_reserved_gb, self.gpu_memory_gb, "per GPU"),
-                                   (self.host_per_node_gb, self.host_memory_gb, "of host memory per node")):
+        for used, limit, where in (
+            (self.peak_reserved_gb, self.gpu_memory_gb, "per GPU"),
+            (self.host_per_node_gb, self.host_memory_gb, "of host memory per node"),
+        ):
             if limit is not None:
                 yield used, limit, where
 
@@ -133,12 +135,19 @@ def model_flops_per_step(s: Setup, attn_width: int, with_reference: bool = True)
     matmul_params = s.params - s.embed_params
     # under sequence parallelism a rank runs the linear layers on its 1/sp of the tokens and attention on 1/sp of
     # the heads over the whole sequence: both terms divide by sp (s.tokens already does)
-    forward = 2 * matmul_params * s.tokens + 2 * s.batch * 2 * s.layers * s.seq ** 2 * attn_width / s.sp
+    forward = 2 * matmul_params * s.tokens + 2 * s.batch * 2 * s.layers * s.seq**2 * attn_width / s.sp
     return forward * (3 + (1 if with_reference else 0))
 
 
-def config_name(policy: str, tiled_mlp: int, offload: bool, mlp_chunks: int = 0, lean_norm: bool = False,
-                lean_lm_head: bool = False, liger: bool = False) -> str:
+def config_name(
+    policy: str,
+    tiled_mlp: int,
+    offload: bool,
+    mlp_chunks: int = 0,
+    lean_norm: bool = False,
+    lean_lm_head: bool = False,
+    liger: bool = False,
+) -> str:
     name = "stock" if policy == "layer" else policy
     if lean_norm:
         name += "+lean"
@@ -194,16 +203,20 @@ def _coefficients(config: str, cal: dict) -> tuple[dict, str]:
         return configs[config], f"measurements of this configuration ({config})"
     if "+liger" in config and config.replace("+liger", "") in configs:  # Liger's kernels keep less, not more
         without = config.replace("+liger", "")
-        return configs[without], (f"measurements of {without}, the same levers without Liger's kernels (an upper "
-                                  "bound: Liger keeps less)")
+        return configs[without], (
+            f"measurements of {without}, the same levers without Liger's kernels (an upper bound: Liger keeps less)"
+        )
     # nearest measured relative: same offload choice, stock checkpointing
     fallback = "stock+offload" if config.endswith("+offload") else "stock"
-    return configs[fallback], (f"measurements of {fallback}: this combination of levers ({config}) was not measured, "
-                               "so its nearest measured relative stands in (expect less memory than predicted)")
+    return configs[fallback], (
+        f"measurements of {fallback}: this combination of levers ({config}) was not measured, "
+        "so its nearest measured relative stands in (expect less memory than predicted)"
+    )
 
 
-def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = None,
-            host_memory_gb: float | None = None) -> Plan:
+def predict(
+    s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = None, host_memory_gb: float | None = None
+) -> Plan:
     cal = cal or load_calibration()
     coef, source = _coefficients(s.config, cal)
     p, r = s.params, s.ranks
@@ -243,48 +256,99 @@ def predict(s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = Non
     if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
     host *= s.ranks_per_node
-    breakdown = {"model_states": states, "reference_model": ref, "gathered_weights": gathered,
-                 "activations_checkpointed": stored, "activations_peak_layer_and_lm_head": per_token,
-                 "optimizer_step_transient": step, "allocator_overhead": reserved - allocated}
+    breakdown = {
+        "model_states": states,
+        "reference_model": ref,
+        "gathered_weights": gathered,
+        "activations_checkpointed": stored,
+        "activations_peak_layer_and_lm_head": per_token,
+        "optimizer_step_transient": step,
+        "allocator_overhead": reserved - allocated,
+    }
     if s.model_type != "mistral" or s.hidden != cal.get("hidden", s.hidden):
-        source += (f"; calibrated on the 12B Mistral architecture (hidden {cal.get('hidden')}); this is {s.model_type} "
-                   f"(hidden {s.hidden}), modelled from it: expect more than the 10% error held there")
+        source += (
+            f"; calibrated on the 12B Mistral architecture (hidden {cal.get('hidden')}); this is {s.model_type} "
+            f"(hidden {s.hidden}), modelled from it: expect more than the 10% error held there"
+        )
     if a:
         source += f"; LoRA ({a / 1e6:.1f} M adapter parameters): activations taken from full fine-tuning"
     if s.sp > 1:
         source += f"; sequence parallel {s.sp}: per-rank tokens / {s.sp} (Ulysses all-to-all buffers not calibrated)"
-    return Plan(breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
-                peak_allocated_gb=round(allocated / GB, 2), peak_reserved_gb=round(reserved / GB, 2),
-                activation_peak_gb=round((states + ref + backward) / GB, 2),
-                optimizer_peak_gb=round((states + ref + step) / GB, 2),
-                host_per_node_gb=round(host / GB, 1), calibrated_from=source, gpu_memory_gb=gpu_memory_gb,
-                host_memory_gb=host_memory_gb)
+    return Plan(
+        breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
+        peak_allocated_gb=round(allocated / GB, 2),
+        peak_reserved_gb=round(reserved / GB, 2),
+        activation_peak_gb=round((states + ref + backward) / GB, 2),
+        optimizer_peak_gb=round((states + ref + step) / GB, 2),
+        host_per_node_gb=round(host / GB, 1),
+        calibrated_from=source,
+        gpu_memory_gb=gpu_memory_gb,
+        host_memory_gb=host_memory_gb,
+    )
 
 
-def setup_from_recipe(recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict | None = None) -> Setup:
-    from .modeling import load_architecture
+def planned_length(recipe: Recipe, longest_pair: int | None = None) -> int:
+    """The tokens per sequence to plan for: `max_length` (TRL's default when unset); with `max_length: null` (no
+    truncation) the data's longest pair: synthetic pairs say it, other data is measured (`longest_pair`)."""
+    max_length = recipe.trainer.get("max_length", trainer_default("max_length"))
+    if max_length is not None:
+        return max_length
+    if recipe.data.synthetic:
+        return recipe.data.synthetic["seq_tokens"]
+    if longest_pair is None:
+        raise RecipeError(
+            "With `max_length: null` the planner plans for the data's longest pair, which needs the data "
+            "(launch/plan_memory.py and the entrypoint measure it); or set `max_length`."
+        )
+    return longest_pair
+
+
+def setup_from_recipe(
+    recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict | None = None, seq: int | None = None
+) -> Setup:
+    """`seq`: the data's longest pair, for `max_length: null` (planned_length)."""
+    from longdpo.model.build import load_architecture
 
     arch = load_architecture(recipe.model)
     total, layer, embed = count_params(arch)
     lora_params = 0
     if recipe.model.use_peft:
-        from .lora import adapter_params
+        from longdpo.model.lora import adapter_params
 
         lora_params = adapter_params(recipe.model)
     t, mem = recipe.trainer, recipe.memory
     zero = (ds_config or {}).get("zero_optimization", {})
     offload = bool(t.get("activation_offloading"))
-    return Setup(params=total, layer_params=layer, embed_params=embed, layers=arch.num_hidden_layers,
-                 hidden=arch.hidden_size, seq=t.get("max_length") or 1024,
-                 batch=t.get("per_device_train_batch_size", 8), ranks=gpus * nodes, ranks_per_node=gpus,
-                 zero3=zero.get("stage") == 3,
-                 offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
-                 offload_param=zero.get("offload_param", {}).get("device") == "cpu",
-                 emulate=mem.sgd_in_backward, precompute_ref=bool(t.get("precompute_ref_log_probs")),
-                 config=config_name(mem.checkpointing, mem.tiled_mlp, offload, mem.mlp_chunks, mem.lean_norm,
-                                    mem.lean_lm_head, bool(t.get("use_liger_kernel"))),
-                 allocator_conf=mem.allocator_conf, sp=recipe.parallelism.sp_size, offload_pinned=mem.offload_pin_memory,
-                 lora_params=lora_params, model_type=getattr(arch, "model_type", "mistral"))
+    return Setup(
+        params=total,
+        layer_params=layer,
+        embed_params=embed,
+        layers=arch.num_hidden_layers,
+        hidden=arch.hidden_size,
+        seq=planned_length(recipe, seq),
+        batch=t.get("per_device_train_batch_size", trainer_default("per_device_train_batch_size")),
+        ranks=gpus * nodes,
+        ranks_per_node=gpus,
+        zero3=zero.get("stage") == 3,
+        offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
+        offload_param=zero.get("offload_param", {}).get("device") == "cpu",
+        emulate=mem.sgd_in_backward,
+        precompute_ref=bool(t.get("precompute_ref_log_probs")),
+        config=config_name(
+            mem.checkpointing,
+            mem.tiled_mlp,
+            offload,
+            mem.mlp_chunks,
+            mem.lean_norm,
+            mem.lean_lm_head,
+            bool(t.get("use_liger_kernel")),
+        ),
+        allocator_conf=mem.allocator_conf,
+        sp=recipe.parallelism.sp_size,
+        offload_pinned=mem.offload_pin_memory,
+        lora_params=lora_params,
+        model_type=getattr(arch, "model_type", "mistral"),
+    )
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.
@@ -292,32 +356,47 @@ def _candidates(s: Setup):
     if not s.config.endswith("+offload"):
         yield "activation_offloading: true", replace(s, config=s.config + "+offload")
     elif s.offload_pinned:
-        yield "memory.offload_pin_memory: false (pageable host memory: exact sizes, slower copies)", \
-            replace(s, offload_pinned=False)
+        yield (
+            "memory.offload_pin_memory: false (pageable host memory: exact sizes, slower copies)",
+            replace(s, offload_pinned=False),
+        )
     best = "layer+norm_attn_mlp+offload"  # measured best at 12k: 5.56 GB for 1.07x stock's time
     if s.config != best:
         yield "memory.checkpointing: layer+norm_attn_mlp and activation_offloading: true", replace(s, config=best)
     leanest = "stock+lean+head+chunked+offload"  # measured least memory at 12k-64k, for 1.09-1.12x stock's time
     if s.config != leanest:
-        yield ("memory.checkpointing: layer, memory.lean_norm: true, memory.lean_lm_head: true, memory.mlp_chunks: 8 "
-               "and activation_offloading: true"), replace(s, config=leanest)
+        yield (
+            (
+                "memory.checkpointing: layer, memory.lean_norm: true, memory.lean_lm_head: true, memory.mlp_chunks: 8 "
+                "and activation_offloading: true"
+            ),
+            replace(s, config=leanest),
+        )
     if s.allocator_conf:
-        yield "memory.allocator_conf: null (measured: max_split_size_mb:64 raised reserved 1.4x)", \
-            replace(s, allocator_conf=None)
+        yield (
+            "memory.allocator_conf: null (measured: max_split_size_mb:64 raised reserved 1.4x)",
+            replace(s, allocator_conf=None),
+        )
     if s.zero3 and not s.offload_optimizer:
-        yield "ds_configs/zero3_offload.json (optimizer state and parameters on CPU)", \
-            replace(s, offload_optimizer=True, offload_param=True)
+        yield (
+            "ds_configs/zero3_offload.json (optimizer state and parameters on CPU)",
+            replace(s, offload_optimizer=True, offload_param=True),
+        )
     if s.zero3 and s.ranks == 1 and not s.offload_param:  # ZeRO-3 on one GPU partitions nothing
         yield "one process without DeepSpeed (`python launch/train_dpo.py`)", replace(s, zero3=False)
     if s.zero3:
         yield f"{s.ranks * 2} GPUs instead of {s.ranks}", replace(s, ranks=s.ranks * 2)
     if s.batch > 1:
-        yield "per_device_train_batch_size: 1 (raise gradient_accumulation_steps to keep the batch)", replace(s, batch=1)
+        yield (
+            "per_device_train_batch_size: 1 (raise gradient_accumulation_steps to keep the batch)",
+            replace(s, batch=1),
+        )
     yield f"max_length: {s.seq // 2}", replace(s, seq=s.seq // 2)
 
 
-def suggest(s: Setup, gpu_memory_gb: float | None, cal: dict | None = None,
-            host_memory_gb: float | None = None) -> list[tuple[str, float, float]]:
+def suggest(
+    s: Setup, gpu_memory_gb: float | None, cal: dict | None = None, host_memory_gb: float | None = None
+) -> list[tuple[str, float, float]]:
     """Single changes that fit, cheapest first; when none does, the cheapest pairs of changes that do (up to 3)."""
     cal = cal or load_calibration()
     out = []
@@ -340,11 +419,18 @@ def suggest(s: Setup, gpu_memory_gb: float | None, cal: dict | None = None,
     return out
 
 
-def plan(recipe: Recipe, gpus: int, gpu_memory_gb: float | None, nodes: int = 1, ds_config: dict | None = None,
-         host_memory_gb: float | None = None) -> Plan:
-    from . import resilience
+def plan(
+    recipe: Recipe,
+    gpus: int,
+    gpu_memory_gb: float | None,
+    nodes: int = 1,
+    ds_config: dict | None = None,
+    host_memory_gb: float | None = None,
+    seq: int | None = None,
+) -> Plan:
+    from longdpo.cluster import resilience
 
-    s = setup_from_recipe(recipe, gpus, nodes, ds_config)
+    s = setup_from_recipe(recipe, gpus, nodes, ds_config, seq)
     result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
     t = recipe.trainer
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
@@ -365,26 +451,38 @@ def cpu_memory_gb(result: Plan, ranks_on_machine: int) -> float:
 
 def render(result: Plan) -> str:
     lines = [f"  {k.replace('_', ' '):<38} {v:8.2f} GB" for k, v in result.breakdown.items()]
-    lines += [f"  {'predicted activation peak allocated':<38} {result.activation_peak_gb:8.2f} GB",
-              f"  {'predicted optimizer-step peak allocated':<38} {result.optimizer_peak_gb:8.2f} GB",
-              f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
-              f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
-              f"  {'host memory per node (offloaded)':<38} {result.host_per_node_gb:8.1f} GB",
-              f"  based on: {result.calibrated_from}"]
+    lines += [
+        f"  {'predicted activation peak allocated':<38} {result.activation_peak_gb:8.2f} GB",
+        f"  {'predicted optimizer-step peak allocated':<38} {result.optimizer_peak_gb:8.2f} GB",
+        f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
+        f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
+        f"  {'host memory per node (offloaded)':<38} {result.host_per_node_gb:8.1f} GB",
+        f"  based on: {result.calibrated_from}",
+    ]
     if result.checkpoint_gb is not None:
-        lines.insert(-1, f"  {'one checkpoint on disk':<38} {result.checkpoint_gb:8.1f} GB "
-                         f"(this recipe keeps {result.checkpoints_kept})")
+        lines.insert(
+            -1,
+            f"  {'one checkpoint on disk':<38} {result.checkpoint_gb:8.1f} GB "
+            f"(this recipe keeps {result.checkpoints_kept})",
+        )
     for used, limit, where in result.limits():
         lines.append(f"  verdict: {'FITS' if used <= limit else 'DOES NOT FIT'} in {limit:g} GB {where}")
     if result.fits is False:
         if result.suggestions:
             combined = ", and " in result.suggestions[0][0]
-            lines.append("  no single change fits; these pairs of changes would (cheapest first):" if combined
-                         else "  changes that would fit (cheapest first):")
+            lines.append(
+                "  no single change fits; these pairs of changes would (cheapest first):"
+                if combined
+                else "  changes that would fit (cheapest first):"
+            )
             host = result.host_memory_gb is not None
-            lines += [f"    - {change}: {peak:.1f} GB" + (f", host {host_gb:.0f} GB per node" if host else "")
-                      for change, peak, host_gb in result.suggestions]
+            lines += [
+                f"    - {change}: {peak:.1f} GB" + (f", host {host_gb:.0f} GB per node" if host else "")
+                for change, peak, host_gb in result.suggestions
+            ]
         else:
-            lines.append("  no change or pair of changes from this recipe's switches fits: more GPUs (sequence "
-                         "parallelism for long sequences) or a shorter max_length")
+            lines.append(
+                "  no change or pair of changes from this recipe's switches fits: more GPUs (sequence "
+                "parallelism for long sequences) or a shorter max_length"
+            )
     return "\n".join(lines)

@@ -10,7 +10,8 @@ gradient. The same tiles are recomputed with the same kernels (TRL's Triton fold
 so the FLOPs are TRL's, every weight-gradient row is summed in fp32 in the same token order, and the hidden-state
 gradient stays an fp32 accumulation over vocabulary chunks, as in TRL.
 
-Only the backward changes; the class is a subclass of TRL's, swapped in for TRL's fused forward by `routed()`.
+Only the backward changes; the class is a subclass of TRL's, swapped in for TRL's fused forward while training
+(longdpo/patches.py).
 
 Both heads (TRL's as shipped and the lean one) run here as `HookSafeLogProb`: TRL's forward and backward, with the
 LM-head weight and bias kept on `ctx` instead of in the saved tensors. What was broken: under DeepSpeed ZeRO-3 with
@@ -23,8 +24,6 @@ hooks, and gathers it; the hooks never see the head's weight.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from trl.kernels import chunked_logprob as trl_kernel
@@ -92,9 +91,16 @@ class LeanLMHeadLogProb(HookSafeLogProb):
                     torch.mm(hidden_chunk, w_chunk.t(), out=tile)
                     if bias is not None:
                         tile.add_(bias[start:end].to(dtype))
-                    _logit_grad(ctx, tile, targets[t0:t1], log_z[t0:t1], entropy[t0:t1],
-                                grad_logprobs[t0:t1] if grad_logprobs is not None else None,
-                                grad_entropy[t0:t1] if grad_entropy is not None else None, start)
+                    _logit_grad(
+                        ctx,
+                        tile,
+                        targets[t0:t1],
+                        log_z[t0:t1],
+                        entropy[t0:t1],
+                        grad_logprobs[t0:t1] if grad_logprobs is not None else None,
+                        grad_entropy[t0:t1] if grad_entropy is not None else None,
+                        start,
+                    )
                     if needs_hidden:
                         trl_kernel._addmm_fp32(grad_hidden[t0:t1], tile, w_chunk)
                     if needs_weight:
@@ -118,22 +124,18 @@ def _logit_grad(ctx, tile, targets, log_z, entropy, grad_logprobs, grad_entropy,
         fold = trl_kernel._backward_kernel[(n, triton.cdiv(cols, trl_kernel._BLOCK_SIZE))]
     else:
         fold = trl_kernel._backward_tile
-    fold(tile, tile.stride(0), targets, log_z, entropy,
-         grad_logprobs if grad_logprobs is not None else log_z,
-         grad_entropy if grad_entropy is not None else log_z,
-         vocab_start, cols, HAS_LOGPROB_GRAD=grad_logprobs is not None, HAS_ENTROPY_GRAD=grad_entropy is not None,
-         BLOCK_SIZE=trl_kernel._BLOCK_SIZE, **ctx.kernel_args)
-
-
-@contextlib.contextmanager
-def routed(lean: bool = True):
-    """Inside this block TRL's fused LM head (trl.trainer.utils) runs as `HookSafeLogProb`, with the lean backward
-    when `lean`, for every model."""
-    import trl.trainer.utils as trl_utils
-
-    previous = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = LeanLMHeadLogProb if lean else HookSafeLogProb
-    try:
-        yield
-    finally:
-        trl_utils._ChunkedLogProbFunction = previous
+    fold(
+        tile,
+        tile.stride(0),
+        targets,
+        log_z,
+        entropy,
+        grad_logprobs if grad_logprobs is not None else log_z,
+        grad_entropy if grad_entropy is not None else log_z,
+        vocab_start,
+        cols,
+        HAS_LOGPROB_GRAD=grad_logprobs is not None,
+        HAS_ENTROPY_GRAD=grad_entropy is not None,
+        BLOCK_SIZE=trl_kernel._BLOCK_SIZE,
+        **ctx.kernel_args,
+    )

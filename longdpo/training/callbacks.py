@@ -21,15 +21,24 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from . import allocator
-from .config import MemoryArgs
-from .distributed import max_over_ranks
+from longdpo import patches
+from longdpo.cluster.distributed import max_over_ranks
+from longdpo.config import MemoryArgs
+from longdpo.model import allocator
 
 logger = logging.getLogger(__name__)
 GB = 1e9
 # Per-rank values reduced with MAX across ranks, in this order.
-_REDUCED = ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "ooms",
-            "host_rss_gb", "host_pinned_gb", "step_time_s")
+_REDUCED = (
+    "peak_allocated_gb",
+    "peak_reserved_gb",
+    "frag_gap_gb",
+    "alloc_retries",
+    "ooms",
+    "host_rss_gb",
+    "host_pinned_gb",
+    "step_time_s",
+)
 
 
 def empty_cache() -> None:
@@ -87,49 +96,35 @@ class MemoryCallback(TrainerCallback):
             self._keep_earlier_records(args.output_dir, state.global_step)
         src = self.allocator
         if state.is_world_process_zero:
-            logger.info("allocator: %s (source: %s, applied via %s)", src["allocator_conf"] or "torch default",
-                        src["source"], src["path"] or "nothing to apply")
+            logger.info(
+                "allocator: %s (source: %s, applied via %s)",
+                src["allocator_conf"] or "torch default",
+                src["source"],
+                src["path"] or "nothing to apply",
+            )
         if self._cuda():
             self.allocator.update(allocator.verify(src["allocator_conf"]))
             if state.is_world_process_zero and self.allocator.get("verified") is not None:
-                logger.info("allocator read back: max_split_size=%s bytes, verified=%s",
-                            self.allocator.get("max_split_size_bytes"), self.allocator["verified"])
+                logger.info(
+                    "allocator read back: max_split_size=%s bytes, verified=%s",
+                    self.allocator.get("max_split_size_bytes"),
+                    self.allocator["verified"],
+                )
             if self.allocator.get("verified") is False:
-                logger.warning("allocator max_split_size does not match memory.allocator_conf: the setting did not "
-                               "reach the allocator (was CUDA initialised before the entrypoint ran?)")
-            self._watch_optimizer_step(kwargs.get("optimizer"))
+                logger.warning(
+                    "allocator max_split_size does not match memory.allocator_conf: the setting did not "
+                    "reach the allocator (was CUDA initialised before the entrypoint ran?)"
+                )
+            patches.measure_optimizer_step(kwargs.get("optimizer"), self._record_phase_peaks)
             if self.memory.snapshot_steps:
                 torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
                 self._snapshotting = True
 
-    def _watch_optimizer_step(self, optimizer) -> None:
-        """Split each step's peak into the forward/backward part and the optimizer step's. Under DeepSpeed the real
-        step runs inside accelerate's backward (the Trainer's optimizer.step() is a no-op wrapper), so the callbacks'
-        optimizer events cannot separate them: the innermost optimizer's step is wrapped instead."""
-        inner = optimizer
-        while hasattr(inner, "optimizer"):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> ...
-            if hasattr(inner, "step") and type(inner).__module__.startswith("deepspeed"):
-                break
-            inner = inner.optimizer
-        if inner is None or not hasattr(inner, "step"):
-            return
-        step = inner.step
-
-        def measured_step(*a, **k):
-            before = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                return step(*a, **k)
-            finally:
-                during = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
-                self._phase_peaks = (before, during)
-
-        inner.step = measured_step
+    def _record_phase_peaks(self, before: list, during: list) -> None:
+        """The peaks before and during the optimizer step, [allocated, reserved] each (longdpo/patches.py)."""
+        self._phase_peaks = (before, during)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        # Fault injection for the OOM path's test (a real OOM cannot be provoked on a CPU-only machine).
-        if os.environ.get("RECIPES_FAULT_OOM_AT_STEP") == str(state.global_step + 1):
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by RECIPES_FAULT_OOM_AT_STEP)")
         if self._cuda():
             torch.cuda.reset_peak_memory_stats()
             if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
@@ -165,13 +160,26 @@ class MemoryCallback(TrainerCallback):
         values = [peak_alloc, peak_res, peak_res - peak_alloc, retries, ooms, rss, pinned or 0.0, elapsed]
         reduced = dict(zip(_REDUCED, max_over_ranks(values)))
         tokens = state.num_input_tokens_seen - self._tokens_at_start  # gathered over ranks by the Trainer
-        record = {"step": state.global_step, **{k: round(v, 4) for k, v in reduced.items()},
-                  **self._split_peaks(), **self._offloaded(),
-                  "tokens": tokens, "tokens_per_s": round(tokens / reduced["step_time_s"], 1),
-                  "weights_gb": round(self.weights_gb, 4) if self.weights_gb is not None else None,
-                  "allocator_conf": self.allocator["allocator_conf"], "cuda": self._cuda()}
+        record = {
+            "step": state.global_step,
+            **{k: round(v, 4) for k, v in reduced.items()},
+            **self._split_peaks(),
+            **self._offloaded(),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / reduced["step_time_s"], 1),
+            "weights_gb": round(self.weights_gb, 4) if self.weights_gb is not None else None,
+            "allocator_conf": self.allocator["allocator_conf"],
+            "cuda": self._cuda(),
+        }
         if not self._cuda():  # no GPU: the GPU fields mean nothing
-            for k in ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "ooms", "host_pinned_gb"):
+            for k in (
+                "peak_allocated_gb",
+                "peak_reserved_gb",
+                "frag_gap_gb",
+                "alloc_retries",
+                "ooms",
+                "host_pinned_gb",
+            ):
                 record[k] = None
         self.records.append(record)
         if state.is_world_process_zero and self.memory.telemetry:
@@ -190,8 +198,12 @@ class MemoryCallback(TrainerCallback):
             return {}
         (alloc_before, res_before), (alloc_during, res_during) = self._phase_peaks
         values = max_over_ranks([alloc_before / GB, res_before / GB, alloc_during / GB, res_during / GB])
-        keys = ("activation_peak_allocated_gb", "activation_peak_reserved_gb",
-                "optimizer_peak_allocated_gb", "optimizer_peak_reserved_gb")
+        keys = (
+            "activation_peak_allocated_gb",
+            "activation_peak_reserved_gb",
+            "optimizer_peak_allocated_gb",
+            "optimizer_peak_reserved_gb",
+        )
         return {k: round(v, 4) for k, v in zip(keys, values)}
 
     def _offloaded(self) -> dict:
@@ -211,8 +223,16 @@ class MemoryCallback(TrainerCallback):
 
     def telemetry_logs(self) -> dict:
         """Latest step's figures for the Trainer logs (TensorBoard): memory/<name>."""
-        keep = ("peak_allocated_gb", "peak_reserved_gb", "frag_gap_gb", "alloc_retries", "host_rss_gb",
-                "host_pinned_gb", "step_time_s", "tokens_per_s")
+        keep = (
+            "peak_allocated_gb",
+            "peak_reserved_gb",
+            "frag_gap_gb",
+            "alloc_retries",
+            "host_rss_gb",
+            "host_pinned_gb",
+            "step_time_s",
+            "tokens_per_s",
+        )
         last = self.records[-1] if self.records else {}
         return {f"memory/{k}": last[k] for k in keep if last.get(k) is not None}
 
@@ -241,9 +261,11 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
             f"{fmt('frag_gap_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n"
         )
     else:  # a CPU run: no GPU memory to report, so what there is
-        table = ("No GPU on this machine: GPU memory is not measured; host memory and time are.\n\n"
-                 "| Host RSS (GB) | Step Time (s) | Tokens/s |\n|---|---|---|\n"
-                 f"| {fmt('host_rss_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n")
+        table = (
+            "No GPU on this machine: GPU memory is not measured; host memory and time are.\n\n"
+            "| Host RSS (GB) | Step Time (s) | Tokens/s |\n|---|---|---|\n"
+            f"| {fmt('host_rss_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n"
+        )
     path = os.path.join(output_dir, "memory_summary.md")
     with open(path, "w") as f:
         f.write(f"Steady state over steps {steady[0]['step']}..{steady[-1]['step']} (max memory, median time).\n\n")
@@ -270,8 +292,10 @@ def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
     loss.axhline(0.6931, color="grey", linestyle=":", linewidth=1, label="ln 2 (policy = reference)")
     loss.set_title("DPO loss")
     loss.legend(fontsize=8)
-    for ax, key, color, title in ((margin, "rewards/margins", "tab:green", "reward margin (chosen - rejected)"),
-                                  (accuracy, "rewards/accuracies", "tab:orange", "reward accuracy")):
+    for ax, key, color, title in (
+        (margin, "rewards/margins", "tab:green", "reward margin (chosen - rejected)"),
+        (accuracy, "rewards/accuracies", "tab:orange", "reward accuracy"),
+    ):
         if logs and all(key in h for h in logs):
             ax.plot(steps, [h[key] for h in logs], color=color, **style)
         ax.set_title(title)
@@ -281,14 +305,18 @@ def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
     style = {"marker": "o", "markersize": 3} if len(records) <= 30 else {}
     if any(r.get("peak_allocated_gb") is not None for r in records):
         mem.plot(steps, [r["peak_allocated_gb"] for r in records], color="tab:red", label="GPU peak allocated", **style)
-        mem.plot(steps, [r["peak_reserved_gb"] for r in records], color="tab:purple", label="GPU peak reserved",
-                 **style)
+        mem.plot(
+            steps, [r["peak_reserved_gb"] for r in records], color="tab:purple", label="GPU peak reserved", **style
+        )
         mem.set_title("Memory per step")
     else:
         mem.set_title("Memory per step (no GPU: host memory only)")
     mem.plot(steps, [r["host_rss_gb"] for r in records], color="tab:brown", label="host RSS", **style)
-    mem.set_ylim(bottom=0, top=max(1e-3, *(v for r in records for v in (r.get("peak_reserved_gb"), r["host_rss_gb"])
-                                          if v is not None)) * 1.15)
+    mem.set_ylim(
+        bottom=0,
+        top=max(1e-3, *(v for r in records for v in (r.get("peak_reserved_gb"), r["host_rss_gb"]) if v is not None))
+        * 1.15,
+    )
     mem.set_ylabel("GB (max over ranks)")
     mem.legend(fontsize=8, loc="lower right")
     for ax in axes.flat:

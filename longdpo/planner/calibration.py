@@ -1,6 +1,6 @@
 """The planner's calibration: every committed measurement (the benchmark's results.json files under results/ and the
 GPU acceptance suite's runs) rebuilt into the Setup it ran with, and the coefficients fitted on them
-(`python launch/plan_memory.py --calibrate` writes recipes/planner_calibration.json).
+(`python launch/plan_memory.py --calibrate` writes longdpo/planner/calibration.json).
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ import math
 import os
 import shlex
 
-from .config import load_recipe, parse_cli
-from .levers import BASE, CONFIGS, add_setup_arguments
-from .planner import SUB_GROUP, Setup, allocator_key, config_name, count_params, predict
+from longdpo.config import REPO_ROOT, load_recipe, parse_cli
+from longdpo.planner.levers import CONFIGS, add_setup_arguments
+from longdpo.planner.plan import SUB_GROUP, Setup, allocator_key, config_name, count_params, predict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 ACCEPTANCE_RUNS = os.path.join(ROOT, "results", "gpu_acceptance", "runs.json")
 
 
 def setup_from_argv(argv: list[str]) -> Setup:
     """The Setup of a launch/train_dpo.py command line (launcher first, paths relative to the repo root)."""
-    from .planner import setup_from_recipe
-    from .validate import check_deepspeed_config
+    from longdpo.checks import check_deepspeed_config
+    from longdpo.planner.plan import setup_from_recipe
 
-    args = argv[[os.path.basename(a) for a in argv].index("train_dpo.py") + 1:]
+    args = argv[[os.path.basename(a) for a in argv].index("train_dpo.py") + 1 :]
     cli = parse_cli([os.path.join(ROOT, a) if a.endswith((".yaml", ".json")) else a for a in args])
     recipe = load_recipe(cli["recipe"], cli["overrides"])
     ds = cli["deepspeed"] or ("ds_configs/zero3.json" if os.path.basename(argv[0]) == "accelerate" else None)
@@ -44,24 +44,37 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
     """The Setup a committed benchmark row (or acceptance run) ran with, rebuilt from its recorded command."""
     if "argv" in row:
         return setup_from_argv(row["argv"])
-    from .config import ModelArgs
-    from .modeling import load_architecture
+    from longdpo.config import ModelArgs
+    from longdpo.model.build import load_architecture
 
     bench = _bench_options(environment["command"])
     recipe = load_recipe(os.path.join(ROOT, bench.recipe))
-    over = {**BASE, **CONFIGS[row["config"]]}
+    lv = CONFIGS[row["config"]]
     arch = load_architecture(ModelArgs(**{**recipe.model.__dict__, "num_hidden_layers": bench.layers}))
     total, layer, embed = count_params(arch)
-    conf = over["memory.allocator_conf"]
-    return Setup(params=total, layer_params=layer, embed_params=embed, layers=arch.num_hidden_layers,
-                 hidden=arch.hidden_size, seq=row["seq_tokens"], ranks=bench.gpus, ranks_per_node=bench.gpus,
-                 zero3=environment["mode"] == "zero3", emulate=environment["mode"] == "emulate",
-                 config=config_name(over["memory.checkpointing"], int(over["memory.tiled_mlp"]),
-                                    over["activation_offloading"] == "true", int(over["memory.mlp_chunks"]),
-                                    over["memory.lean_norm"] == "true", over["memory.lean_lm_head"] == "true",
-                                    over["use_liger_kernel"] == "true"),
-                 allocator_conf=None if conf == "null" else conf,
-                 offload_pinned=over["memory.offload_pin_memory"] == "true")
+    return Setup(
+        params=total,
+        layer_params=layer,
+        embed_params=embed,
+        layers=arch.num_hidden_layers,
+        hidden=arch.hidden_size,
+        seq=row["seq_tokens"],
+        ranks=bench.gpus,
+        ranks_per_node=bench.gpus,
+        zero3=environment["mode"] == "zero3",
+        emulate=environment["mode"] == "emulate",
+        config=config_name(
+            lv.checkpointing,
+            lv.tiled_mlp,
+            lv.activation_offloading,
+            lv.mlp_chunks,
+            lv.lean_norm,
+            lv.lean_lm_head,
+            lv.use_liger_kernel,
+        ),
+        allocator_conf=lv.allocator_conf,
+        offload_pinned=lv.offload_pin_memory,
+    )
 
 
 def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
@@ -84,13 +97,25 @@ def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.js
         for name, run in data["runs"].items():
             if run["rc"] != 0 or not run["records"] or any("rejected_tokens" in a for a in run["argv"]):
                 continue  # (unequal pairs: shorter than the planner's two sequences of max_length)
-            argv = [os.path.relpath(os.path.join(kept, os.path.basename(a)), ROOT)
-                    if a.startswith("recipes/nemotron12b/") and os.path.isdir(kept) else a for a in run["argv"]]
+            argv = [
+                os.path.relpath(os.path.join(kept, os.path.basename(a)), ROOT)
+                if a.startswith("recipes/nemotron12b/") and os.path.isdir(kept)
+                else a
+                for a in run["argv"]
+            ]
             s = setup_from_argv(argv)
-            peak = {k: max(r[k] for r in run["records"]) for k in (
-                "peak_allocated_gb", "activation_peak_allocated_gb", "optimizer_peak_allocated_gb")}
-            row = {"config": s.config, "seq_tokens": s.seq, "argv": argv, "run": name, **peak,
-                   "peak_reserved_gb": run["summary"]["measured_reserved_gb"]}
+            peak = {
+                k: max(r[k] for r in run["records"])
+                for k in ("peak_allocated_gb", "activation_peak_allocated_gb", "optimizer_peak_allocated_gb")
+            }
+            row = {
+                "config": s.config,
+                "seq_tokens": s.seq,
+                "argv": argv,
+                "run": name,
+                **peak,
+                "peak_reserved_gb": run["summary"]["measured_reserved_gb"],
+            }
             env = {**data["environment"], "mode": "zero3" if s.zero3 else "one process"}
             yield env, row, os.path.relpath(ACCEPTANCE_RUNS, ROOT)
 
@@ -105,8 +130,12 @@ def calibrate() -> dict:
     for env, row, src, s in rows:
         if env["mode"] == "emulate":
             by_config.setdefault(s.config, []).append((s, row, src))
-    cal = {"_comment": "fitted by `python launch/plan_memory.py --calibrate` from the files in `sources`",
-           "configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}
+    cal = {
+        "_comment": "fitted by `python launch/plan_memory.py --calibrate` from the files in `sources`",
+        "configs": {},
+        "allocator_factors": {},
+        "pinned_factor": 1.0,
+    }
     pinned = []
     for config, items in by_config.items():
         base = {**zero, "configs": {config: {"per_token_bytes": 0.0, "reserved_factor": 1.0}}}
@@ -114,7 +143,7 @@ def calibrate() -> dict:
         num = den = 0.0
         for s, row, _ in items:
             residual = row["peak_allocated_gb"] * 1e9 - predict(s, base).peak_allocated_gb * 1e9
-            num, den = num + residual * s.tokens, den + s.tokens ** 2
+            num, den = num + residual * s.tokens, den + s.tokens**2
             if row.get("host_pinned_gb") and config.endswith("+offload") and s.offload_pinned:
                 block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
                 pinned.append(row["host_pinned_gb"] * 1e9 / (s.layers * block))
@@ -123,14 +152,16 @@ def calibrate() -> dict:
             fixed = resident(s, base)
             factors.append((row["peak_reserved_gb"] - fixed) / (row["peak_allocated_gb"] - fixed))
         cal["hidden"] = items[0][0].hidden  # the width the per-token coefficients were measured at
-        cal["configs"][config] = {"per_token_bytes": round(num / den, 1),
-                                  "reserved_factor": round(sum(factors) / len(factors), 4),
-                                  "sources": sorted({src for *_, src in items})}
+        cal["configs"][config] = {
+            "per_token_bytes": round(num / den, 1),
+            "reserved_factor": round(sum(factors) / len(factors), 4),
+            "sources": sorted({src for *_, src in items}),
+        }
     fit_zero3_reserved(rows, cal)
     cal["pinned_factor"] = round(sum(pinned) / len(pinned), 4) if pinned else 1.0
     cal["zero3"] = fit_zero3(rows, cal)
     ratios: dict[str, list] = {}
-    for env, row, src, s in rows:
+    for _env, row, _src, s in rows:
         if s.allocator_conf and s.config in cal["configs"]:
             unfactored = predict(Setup(**{**s.__dict__, "allocator_conf": None}), cal).peak_reserved_gb
             fixed = resident(s, cal)
@@ -156,8 +187,12 @@ def fit_zero3(rows, cal: dict) -> dict:
         sources.add(src)
     if not steps:
         return {}
-    return {"step_bytes_per_param": round(sum(steps) / len(steps), 3),
-            "gap_gb": round(sum(gaps) / len(gaps), 3) if gaps else 0.0, "rows": len(steps), "sources": sorted(sources)}
+    return {
+        "step_bytes_per_param": round(sum(steps) / len(steps), 3),
+        "gap_gb": round(sum(gaps) / len(gaps), 3) if gaps else 0.0,
+        "rows": len(steps),
+        "sources": sorted(sources),
+    }
 
 
 def fit_zero3_reserved(rows, cal: dict) -> None:

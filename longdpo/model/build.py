@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from .config import ModelArgs, RecipeError, resolve_path
+from longdpo.config import ModelArgs, RecipeError, resolve_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -45,8 +45,13 @@ MISTRAL_CHAT_TEMPLATE = (  # mistralai/Mistral-7B-Instruct-v0.1
 # model.tokenizer value -> (pad, bos, eos, other special tokens, chat template)
 BYTE_TOKENIZERS = {
     "byte": ("<pad>", "<s>", "</s>", ["<|system|>", "<|user|>", "<|assistant|>"], BYTE_CHAT_TEMPLATE),
-    "byte-llama3": ("<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|eot_id|>",
-                    ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"], LLAMA3_CHAT_TEMPLATE),
+    "byte-llama3": (
+        "<|finetune_right_pad_id|>",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        ["<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"],
+        LLAMA3_CHAT_TEMPLATE,
+    ),
     "byte-chatml": ("<|endoftext|>", None, "<|im_end|>", ["<|im_start|>"], CHATML_CHAT_TEMPLATE),
     "byte-mistral": ("<pad>", "<s>", "</s>", ["[INST]", "[/INST]"], MISTRAL_CHAT_TEMPLATE),
 }
@@ -69,8 +74,14 @@ def build_byte_tokenizer(kind: str = "byte"):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos,
-                                        unk_token="<unk>", additional_special_tokens=others)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=pad,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token="<unk>",
+        additional_special_tokens=others,
+    )
     tokenizer.chat_template = template
     return tokenizer
 
@@ -90,19 +101,27 @@ def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
     if os.path.isdir(model_source(path_or_id)):
         return
     if not HUB_ID.match(path_or_id):
-        raise RecipeError(f"`{key}` {path_or_id!r} is neither a local directory nor a Hugging Face Hub id "
-                          "(`owner/name`). Point it at a directory written by `save_pretrained`, or a Hub id.")
+        raise RecipeError(
+            f"`{key}` {path_or_id!r} is neither a local directory nor a Hugging Face Hub id "
+            "(`owner/name`). Point it at a directory written by `save_pretrained`, or a Hub id."
+        )
     from huggingface_hub import constants
     from transformers import AutoConfig, AutoTokenizer
 
     try:
         (AutoConfig if needs == "config" else AutoTokenizer).from_pretrained(path_or_id)
     except (OSError, ValueError) as error:
-        offline = " (HF_HUB_OFFLINE=1 is set: only the local cache is read; unset it or download the model first " \
-                  "with `huggingface-cli download`)" if constants.HF_HUB_OFFLINE else ""
+        offline = (
+            " (HF_HUB_OFFLINE=1 is set: only the local cache is read; unset it or download the model first "
+            "with `huggingface-cli download`)"
+            if constants.HF_HUB_OFFLINE
+            else ""
+        )
         reason = str(error).strip().splitlines()[0]
-        raise RecipeError(f"`{key}` {path_or_id!r} is not a local directory and could not be loaded from the Hugging "
-                          f"Face cache ({constants.HF_HUB_CACHE}) or the Hub{offline}: {reason}") from None
+        raise RecipeError(
+            f"`{key}` {path_or_id!r} is not a local directory and could not be loaded from the Hugging "
+            f"Face cache ({constants.HF_HUB_CACHE}) or the Hub{offline}: {reason}"
+        ) from None
 
 
 def load_tokenizer(args: ModelArgs):
@@ -124,13 +143,16 @@ def read_chat_template(value: str) -> str:
     path = resolve_path(value)
     if "{" not in value and os.path.splitext(value)[1] in (".jinja", ".j2", ".txt"):
         if not os.path.isfile(path):
-            raise RecipeError(f"`model.chat_template` file {value!r} does not exist; give a Jinja file or the template "
-                              "itself.")
+            raise RecipeError(
+                f"`model.chat_template` file {value!r} does not exist; give a Jinja file or the template itself."
+            )
         with open(path) as f:
             return f.read()
     if "{{" not in value and "{%" not in value:
-        raise RecipeError(f"`model.chat_template` {value[:60]!r} is neither a .jinja file nor a Jinja template "
-                          "(no `{{ }}` or `{% %}` in it).")
+        raise RecipeError(
+            f"`model.chat_template` {value[:60]!r} is neither a .jinja file nor a Jinja template "
+            "(no `{{ }}` or `{% %}` in it)."
+        )
     return value
 
 
@@ -156,9 +178,8 @@ def load_architecture(args: ModelArgs):
 def build_model(args: ModelArgs):
     """The policy (or an identical reference: same config, same seed) as a fresh CausalLM."""
     from transformers import AutoModelForCausalLM
-    from transformers.trainer_utils import set_seed
-
     from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.trainer_utils import set_seed
 
     config = load_architecture(args)
     dtype = DTYPES[args.dtype]
@@ -192,17 +213,21 @@ def check_model_args(args: ModelArgs) -> None:
             f"`model.architecture` {args.architecture!r} does not exist; use a JSON in recipes/architectures/."
         )
     if args.architecture and not args.tokenizer:
-        raise RecipeError("A random-init model has no tokenizer: set `model.tokenizer: byte` (or byte-llama3, "
-                          "byte-chatml, byte-mistral) or a tokenizer directory.")
+        raise RecipeError(
+            "A random-init model has no tokenizer: set `model.tokenizer: byte` (or byte-llama3, "
+            "byte-chatml, byte-mistral) or a tokenizer directory."
+        )
     if args.tokenizer and args.tokenizer not in BYTE_TOKENIZERS:
         check_source("model.tokenizer", args.tokenizer, needs="tokenizer")
     source = args.tokenizer or args.name_or_path
     folder = model_source(source) if source not in BYTE_TOKENIZERS else None
     if folder and os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
         key = "model.tokenizer" if args.tokenizer else "model.name_or_path"
-        raise RecipeError(f"No tokenizer in {source!r} (`{key}`; none of {', '.join(TOKENIZER_FILES)}): set "
-                          "`model.tokenizer` to a tokenizer directory or Hub id (e.g. the base model's), or save the "
-                          "tokenizer there with `tokenizer.save_pretrained`.")
+        raise RecipeError(
+            f"No tokenizer in {source!r} (`{key}`; none of {', '.join(TOKENIZER_FILES)}): set "
+            "`model.tokenizer` to a tokenizer directory or Hub id (e.g. the base model's), or save the "
+            "tokenizer there with `tokenizer.save_pretrained`."
+        )
     if args.chat_template:
         read_chat_template(args.chat_template)
     if args.dtype not in DTYPES:

@@ -11,13 +11,13 @@ import json
 import logging
 import os
 
-from . import allocator, liger, padding_mask
-from .checkpointing import check_mlp_split, check_policy
-from .config import Recipe, RecipeError, resolve_path, trainer_default
-from .data import check_data_args
-from .lora import check_lora_args
-from .modeling import check_model_args
-from .sequence_parallel import check_sequence_parallel
+from longdpo.config import Recipe, RecipeError, resolve_path, trainer_default
+from longdpo.data import check_data_args
+from longdpo.model import allocator, liger, padding_mask
+from longdpo.model.build import check_model_args
+from longdpo.model.checkpointing import check_mlp_split, check_policy
+from longdpo.model.lora import check_lora_args
+from longdpo.model.sequence_parallel import check_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +39,29 @@ def check_deepspeed_config(path: str) -> dict:
 def check_family(recipe: Recipe) -> None:
     """Levers that patch decoder modules need a family whose modules they know; the plain `layer` policy (and TRL's
     own flags) run on any causal LM. Checked on the model's config, before loading."""
-    from .checkpointing import SUPPORTED_MODELS
-    from .modeling import load_architecture
+    from longdpo.model.build import load_architecture
+    from longdpo.model.checkpointing import SUPPORTED_MODELS
 
     mem = recipe.memory
-    levers = [name for name, on in (
-        (f"memory.checkpointing: {mem.checkpointing}", mem.checkpointing not in ("none", "layer")),
-        ("memory.lean_norm", mem.lean_norm), ("memory.mlp_chunks", mem.mlp_chunks), ("memory.tiled_mlp", mem.tiled_mlp))
-        if on]
+    levers = [
+        name
+        for name, on in (
+            (f"memory.checkpointing: {mem.checkpointing}", mem.checkpointing not in ("none", "layer")),
+            ("memory.lean_norm", mem.lean_norm),
+            ("memory.mlp_chunks", mem.mlp_chunks),
+            ("memory.tiled_mlp", mem.tiled_mlp),
+        )
+        if on
+    ]
     if not levers:
         return
     model_type = getattr(load_architecture(recipe.model), "model_type", None)
     if model_type not in SUPPORTED_MODELS:
-        raise RecipeError(f"`{levers[0]}` patches the decoder layers of {', '.join(SUPPORTED_MODELS)} models "
-                          f"(Mistral, Llama-3, Qwen2.5, Qwen3); this model is {model_type!r}: turn it off "
-                          "(`memory.checkpointing: layer`, TRL's activation_offloading and the lean LM head still apply).")
+        raise RecipeError(
+            f"`{levers[0]}` patches the decoder layers of {', '.join(SUPPORTED_MODELS)} models "
+            f"(Mistral, Llama-3, Qwen2.5, Qwen3); this model is {model_type!r}: turn it off "
+            "(`memory.checkpointing: layer`, TRL's activation_offloading and the lean LM head still apply)."
+        )
 
 
 class Problems:
@@ -88,22 +96,35 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     with problems.check():
         check_data_args(recipe.data)
     if recipe.model.use_peft and t.get("sync_ref_model"):
-        problems.found.append("`sync_ref_model` needs a reference copy, and LoRA has none (its reference is the base "
-                              "model with the adapters off): set `sync_ref_model: false`.")
+        problems.found.append(
+            "`sync_ref_model` needs a reference copy, and LoRA has none (its reference is the base "
+            "model with the adapters off): set `sync_ref_model: false`."
+        )
     if recipe.model.use_peft and mem.sgd_in_backward:
-        problems.found.append("`memory.sgd_in_backward` emulates full fine-tuning of one ZeRO-3 rank; a LoRA run needs "
-                              "no emulation (its optimizer state is the adapters'): set `memory.sgd_in_backward: false`.")
+        problems.found.append(
+            "`memory.sgd_in_backward` emulates full fine-tuning of one ZeRO-3 rank; a LoRA run needs "
+            "no emulation (its optimizer state is the adapters'): set `memory.sgd_in_backward: false`."
+        )
     with problems.check():
         check_policy(mem.checkpointing)
     if recipe.parallelism.sp_size != 1 and model_ok:
-        from .modeling import load_architecture
+        from longdpo.model.build import load_architecture
 
         d = recipe.data
-        evaluating = bool(d.eval_files or d.eval_split or any(isinstance(src, dict) and src.get("test_split")
-                                                              for src in d.mixture or []))
+        evaluating = bool(
+            d.eval_files
+            or d.eval_split
+            or any(isinstance(src, dict) and src.get("test_split") for src in d.mixture or [])
+        )
         with problems.check():
-            check_sequence_parallel(recipe.parallelism.sp_size, world_size, load_architecture(recipe.model), t,
-                                    recipe.model.attn_implementation, evaluating=evaluating)
+            check_sequence_parallel(
+                recipe.parallelism.sp_size,
+                world_size,
+                load_architecture(recipe.model),
+                t,
+                recipe.model.attn_implementation,
+                evaluating=evaluating,
+            )
     if mem.allocator_conf:
         with problems.check():
             allocator.parse(mem.allocator_conf)
@@ -115,8 +136,14 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
     with problems.check():
         padding_mask.check(mem.padding_mask)
-    for key in ("tiled_mlp", "mlp_chunks", "empty_cache_steps", "empty_cache_microbatches", "snapshot_steps",
-                "profile_step"):
+    for key in (
+        "tiled_mlp",
+        "mlp_chunks",
+        "empty_cache_steps",
+        "empty_cache_microbatches",
+        "snapshot_steps",
+        "profile_step",
+    ):
         if getattr(mem, key) < 0:
             problems.found.append(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
     with problems.check():
@@ -131,12 +158,16 @@ def _check_run(recipe: Recipe) -> None:
     if run.on_nonfinite not in ("stop", "skip"):
         raise RecipeError(f"`run.on_nonfinite` must be stop or skip, got {run.on_nonfinite!r}.")
     if run.on_nonfinite == "skip" and recipe.memory.sgd_in_backward:
-        raise RecipeError("`run.on_nonfinite: skip` cannot skip updates that `memory.sgd_in_backward` applies inside "
-                          "backward; use `run.on_nonfinite: stop`.")
+        raise RecipeError(
+            "`run.on_nonfinite: skip` cannot skip updates that `memory.sgd_in_backward` applies inside "
+            "backward; use `run.on_nonfinite: stop`."
+        )
     for name in run.save_on_signals:
         if name not in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP"):
-            raise RecipeError(f"`run.save_on_signals`: {name!r} is not a signal a run can save on; use SIGUSR1, "
-                              "SIGUSR2, SIGTERM, SIGINT or SIGHUP.")
+            raise RecipeError(
+                f"`run.save_on_signals`: {name!r} is not a signal a run can save on; use SIGUSR1, "
+                "SIGUSR2, SIGTERM, SIGINT or SIGHUP."
+            )
 
 
 def _check_trainer(recipe: Recipe, world_size: int) -> None:
@@ -157,15 +188,19 @@ def _check_trainer(recipe: Recipe, world_size: int) -> None:
         check_deepspeed_config(t["deepspeed"])
     if mem.sgd_in_backward:
         if t.get("deepspeed") or world_size > 1:
-            raise RecipeError("`memory.sgd_in_backward` emulates one rank in a single process; drop the DeepSpeed "
-                              "config / launcher, or set `memory.sgd_in_backward: false`.")
-        if t.get("gradient_accumulation_steps", 1) != 1:
-            raise RecipeError("`memory.sgd_in_backward` updates inside backward, so it needs "
-                              "`gradient_accumulation_steps: 1`.")
+            raise RecipeError(
+                "`memory.sgd_in_backward` emulates one rank in a single process; drop the DeepSpeed "
+                "config / launcher, or set `memory.sgd_in_backward: false`."
+            )
+        if t.get("gradient_accumulation_steps", trainer_default("gradient_accumulation_steps")) != 1:
+            raise RecipeError(
+                "`memory.sgd_in_backward` updates inside backward, so it needs `gradient_accumulation_steps: 1`."
+            )
     max_length = t.get("max_length", trainer_default("max_length"))
     if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
-        raise RecipeError(f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got "
-                          f"{max_length!r}.")
+        raise RecipeError(
+            f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got {max_length!r}."
+        )
 
 
 def _check_hardware(recipe: Recipe, cuda_available: bool) -> None:
@@ -177,35 +212,41 @@ def _check_hardware(recipe: Recipe, cuda_available: bool) -> None:
     if mixed and recipe.model.dtype in ("bfloat16", "float16") and recipe.model.dtype[0] != mixed[0]:
         problems.found.append(
             f"`model.dtype: {recipe.model.dtype}` with `{mixed}: true` mixes two 16-bit formats; set "
-            f"`model.dtype: {'bfloat16' if mixed == 'bf16' else 'float16'}` or the other precision flag.")
+            f"`model.dtype: {'bfloat16' if mixed == 'bf16' else 'float16'}` or the other precision flag."
+        )
     # Precision: DPOConfig defaults to bf16, which a CPU-only machine refuses.
     if not cuda_available and (t.get("bf16") or t.get("fp16")):
         problems.found.append("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")
     if not mem.offload_pin_memory and not t.get("activation_offloading"):
-        problems.found.append("`memory.offload_pin_memory: false` only changes TRL's activation offloading; set "
-                              "`activation_offloading: true` too, or drop it.")
+        problems.found.append(
+            "`memory.offload_pin_memory: false` only changes TRL's activation offloading; set "
+            "`activation_offloading: true` too, or drop it."
+        )
     if not cuda_available and t.get("activation_offloading"):
-        problems.found.append("TRL's activation offloading moves activations to pinned host memory from a GPU; on a "
-                              "CPU-only machine set `activation_offloading: false`.")
+        problems.found.append(
+            "TRL's activation offloading moves activations to pinned host memory from a GPU; on a "
+            "CPU-only machine set `activation_offloading: false`."
+        )
     if not cuda_available and recipe.model.dtype != "float32":
-        problems.found.append(f"`model.dtype: {recipe.model.dtype}` on a CPU-only machine: set `model.dtype: "
-                              "float32`.")
+        problems.found.append(f"`model.dtype: {recipe.model.dtype}` on a CPU-only machine: set `model.dtype: float32`.")
     problems.raise_if_any()
 
 
 def check_processes_per_gpu(processes_on_node: int, gpus: int) -> None:
     """One process per GPU: more processes than GPUs on a node end in `invalid device ordinal` on every rank."""
     if processes_on_node > gpus:
-        raise RecipeError(f"{processes_on_node} processes on this node but {gpus} GPU(s): start one per GPU "
-                          f"(`accelerate launch --num_processes {gpus} ...` or `deepspeed --num_gpus {gpus} ...`).")
+        raise RecipeError(
+            f"{processes_on_node} processes on this node but {gpus} GPU(s): start one per GPU "
+            f"(`accelerate launch --num_processes {gpus} ...` or `deepspeed --num_gpus {gpus} ...`)."
+        )
 
 
 def derive_accumulation(recipe: Recipe, world_size: int) -> None:
     """`data.global_batch_size` is the intent: gradient_accumulation_steps = global / (per device x data-parallel
     ranks), set in the recipe and logged; an error only when it does not divide."""
     t = recipe.trainer
-    per_device = t.get("per_device_train_batch_size", 8)
-    accum = t.get("gradient_accumulation_steps", 1)
+    per_device = t.get("per_device_train_batch_size", trainer_default("per_device_train_batch_size"))
+    accum = t.get("gradient_accumulation_steps", trainer_default("gradient_accumulation_steps"))
     for key, value in (("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accum)):
         if not isinstance(value, int) or value < 1:
             raise RecipeError(f"`{key}` must be a positive integer, got {value!r}.")
@@ -216,12 +257,19 @@ def derive_accumulation(recipe: Recipe, world_size: int) -> None:
     if want % (per_device * dp):
         raise RecipeError(
             f"`data.global_batch_size: {want}` is not a multiple of per_device_train_batch_size ({per_device}) x "
-            f"{dp} data-parallel ranks = {per_device * dp}; change one of them (or the GPU count).")
+            f"{dp} data-parallel ranks = {per_device * dp}; change one of them (or the GPU count)."
+        )
     derived = want // (per_device * dp)
     if derived != accum and int(os.environ.get("RANK", 0)) == 0:
-        logger.info("gradient_accumulation_steps = %d, from data.global_batch_size %d / (%d per device x %d "
-                    "data-parallel ranks)%s", derived, want, per_device, dp,
-                    f"; the recipe's {accum} is replaced" if "gradient_accumulation_steps" in t else "")
+        logger.info(
+            "gradient_accumulation_steps = %d, from data.global_batch_size %d / (%d per device x %d "
+            "data-parallel ranks)%s",
+            derived,
+            want,
+            per_device,
+            dp,
+            f"; the recipe's {accum} is replaced" if "gradient_accumulation_steps" in t else "",
+        )
     t["gradient_accumulation_steps"] = derived
 
 
@@ -229,20 +277,37 @@ def resolve_report_to(trainer: dict) -> list[str]:
     """TensorBoard by default; a run must not fail when tensorboard is not installed."""
     report_to = trainer.get("report_to", ["tensorboard"])
     report_to = [report_to] if isinstance(report_to, str) else list(report_to or ["none"])
-    if "tensorboard" in report_to and importlib.util.find_spec("tensorboard") is None \
-            and importlib.util.find_spec("tensorboardX") is None:
+    if (
+        "tensorboard" in report_to
+        and importlib.util.find_spec("tensorboard") is None
+        and importlib.util.find_spec("tensorboardX") is None
+    ):
         logger.warning(
-            "tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)")
+            "tensorboard is not installed: logging to TensorBoard is off for this run (pip install tensorboard)"
+        )
         report_to = [r for r in report_to if r != "tensorboard"] or ["none"]
     missing = [r for r in report_to if r in REPORT_PACKAGES and importlib.util.find_spec(REPORT_PACKAGES[r]) is None]
     if missing:
-        raise RecipeError(f"`report_to: {missing[0]}` needs the {REPORT_PACKAGES[missing[0]]} package, which is not "
-                          f"installed: `pip install {REPORT_PACKAGES[missing[0]]}`, or drop it from "
-                          "`report_to`.")
+        raise RecipeError(
+            f"`report_to: {missing[0]}` needs the {REPORT_PACKAGES[missing[0]]} package, which is not "
+            f"installed: `pip install {REPORT_PACKAGES[missing[0]]}`, or drop it from "
+            "`report_to`."
+        )
     return report_to
 
 
 # transformers' logging integrations (report_to names) and the package each needs
-REPORT_PACKAGES = {"wandb": "wandb", "comet_ml": "comet_ml", "mlflow": "mlflow", "neptune": "neptune",
-                   "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio",
-                   "codecarbon": "codecarbon", "azure_ml": "azureml", "dagshub": "dagshub", "flyte": "flytekit"}
+REPORT_PACKAGES = {
+    "wandb": "wandb",
+    "comet_ml": "comet_ml",
+    "mlflow": "mlflow",
+    "neptune": "neptune",
+    "clearml": "clearml",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+    "trackio": "trackio",
+    "codecarbon": "codecarbon",
+    "azure_ml": "azureml",
+    "dagshub": "dagshub",
+    "flyte": "flytekit",
+}

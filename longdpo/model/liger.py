@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .config import RecipeError
+from longdpo.config import RecipeError
 
 PIN = "liger-kernel==0.8.5"
 
@@ -30,15 +30,20 @@ def check(trainer: dict, cuda_available: bool) -> None:
     if not trainer.get("use_liger_kernel"):
         return
     if not cuda_available:
-        raise RecipeError("`use_liger_kernel: true` needs a CUDA GPU (Liger's kernels are Triton); on a CPU-only "
-                          "machine set `use_liger_kernel: false`.")
+        raise RecipeError(
+            "`use_liger_kernel: true` needs a CUDA GPU (Liger's kernels are Triton); on a CPU-only "
+            "machine set `use_liger_kernel: false`."
+        )
     if importlib.util.find_spec("liger_kernel") is None:
-        raise RecipeError(f"`use_liger_kernel: true` needs the liger-kernel package: "
-                          f"`pip install -r requirements-gpu.txt` ({PIN}).")
+        raise RecipeError(
+            f"`use_liger_kernel: true` needs the liger-kernel package: `pip install -r requirements-gpu.txt` ({PIN})."
+        )
     if (trainer.get("liger_kernel_config") or {}).get("fused_linear_cross_entropy"):
-        raise RecipeError("`liger_kernel_config: {fused_linear_cross_entropy: true}` would replace the fused LM head "
-                          "that DPO computes its log-probabilities with; remove it (`memory.lean_lm_head` is the "
-                          "lean head).")
+        raise RecipeError(
+            "`liger_kernel_config: {fused_linear_cross_entropy: true}` would replace the fused LM head "
+            "that DPO computes its log-probabilities with; remove it (`memory.lean_lm_head` is the "
+            "lean head)."
+        )
 
 
 def take(trainer: dict) -> dict | None:

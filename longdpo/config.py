@@ -134,7 +134,7 @@ class MemoryArgs:
     """The memory levers (recipes/checkpointing.py, recipes/allocator.py, recipes/callbacks.py).
 
     checkpointing (str, defaults to "layer"): activation-checkpointing policy, one of
-        recipes.checkpointing.POLICIES: none, layer, attn_mlp, norm_attn, norm_attn_mlp, layer+attn_mlp, ...
+        longdpo.model.checkpointing.POLICIES: none, layer, attn_mlp, norm_attn, norm_attn_mlp, layer+attn_mlp, ...
     tiled_mlp (int, defaults to 0): split each MLP over this many sequence tiles (DeepSpeed TiledMLP); 0 = off.
     mlp_chunks (int, defaults to 0): checkpoint each MLP per chunk of its tokens, this many chunks (see
         recipes/checkpointing.py; cheaper than TiledMLP under the layer checkpoint); 0 = off.
@@ -212,8 +212,7 @@ class RunArgs:
     on_nonfinite: str = "stop"
 
 
-SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": ParallelismArgs,
-            "run": RunArgs}
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": ParallelismArgs, "run": RunArgs}
 
 
 @dataclass
@@ -346,10 +345,11 @@ def read_raw(path: str | os.PathLike | None, overrides: dict | None = None) -> d
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            tabs = [n for n, line in enumerate(text.splitlines(), 1) if "\t" in line[:len(line) - len(line.lstrip())]]
+            tabs = [n for n, line in enumerate(text.splitlines(), 1) if "\t" in line[: len(line) - len(line.lstrip())]]
             if tabs:
-                raise RecipeError(f"Recipe {str(path)!r} indents line {tabs[0]} with a tab: indent YAML with spaces."
-                                  ) from None
+                raise RecipeError(
+                    f"Recipe {str(path)!r} indents line {tabs[0]} with a tab: indent YAML with spaces."
+                ) from None
             raise RecipeError(f"Recipe {str(path)!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise RecipeError(f"Recipe {str(path)!r} must be a YAML mapping of keys.")
@@ -371,13 +371,18 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
         if key in SECTIONS:
             continue
         if key not in dpo_fields:
-            home = next((name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}), None)
+            home = next(
+                (name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}), None
+            )
             if home:  # e.g. TRL's `--use_peft` / `--lora_r`, which live under `model:` here
-                raise RecipeError(f"`{key}` is a `{home}:` key: write `{home}.{key}` in the recipe "
-                                  f"(`--{home}.{key}` on the command line).")
+                raise RecipeError(
+                    f"`{key}` is a `{home}:` key: write `{home}.{key}` in the recipe "
+                    f"(`--{home}.{key}` on the command line)."
+                )
             valid = list(dpo_fields) + list(SECTIONS)
             raise RecipeError(
-                f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory/parallelism/run).{_suggest(key, valid)}"
+                f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory/parallelism/run)."
+                f"{_suggest(key, valid)}"
             )
         trainer[key] = _coerce(value, dpo_fields[key].type, key)
     return Recipe(**sections, trainer=trainer, path=str(path) if path is not None else None)
@@ -389,14 +394,6 @@ def resolve_path(p: str) -> str:
         return p
     candidate = REPO_ROOT / p
     return str(candidate) if candidate.exists() else p
-
-
-def quiet_deprecated_checkpointing_calls() -> None:
-    """TRL 1.16 and PEFT call transformers' deprecated `gradient_checkpointing_*` / `is_gradient_checkpointing` names
-    (FutureWarnings on every run and on every LoRA plan, seen with transformers 5.24): nothing a user can act on."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
 
 
 def describe_keys() -> str:
@@ -422,8 +419,15 @@ def parse_cli(argv: list[str]) -> dict:
     """Split launcher arguments from recipe overrides: --recipe, --local_rank (from `deepspeed`), a positional
     DeepSpeed JSON, --deepspeed, --resume_from_checkpoint, --no_final_save, --skip-preflight, --overwrite_output_dir;
     everything else is `--key value`."""
-    cli = {"recipe": None, "deepspeed": None, "resume": None, "save": True, "preflight": True, "overwrite": False,
-           "overrides": {}}
+    cli = {
+        "recipe": None,
+        "deepspeed": None,
+        "resume": None,
+        "save": True,
+        "preflight": True,
+        "overwrite": False,
+        "overrides": {},
+    }
     own = ("--recipe", "--local_rank", "--local-rank", "--resume_from_checkpoint", "--deepspeed")
     rest = []
     i = 0

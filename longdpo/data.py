@@ -14,7 +14,7 @@ import os
 import random
 import string
 
-from .config import DataArgs, RecipeError, resolve_path
+from longdpo.config import DataArgs, RecipeError, resolve_path
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -30,30 +30,48 @@ def check_data_args(args: DataArgs) -> None:
     if args.synthetic is not None:
         keys, optional = {"pairs", "seq_tokens", "prompt_tokens"}, {"rejected_tokens"}
         if not isinstance(args.synthetic, dict) or not keys <= set(args.synthetic) <= keys | optional:
-            raise RecipeError(f"`data.synthetic` must be a mapping with the keys {sorted(keys)} (and optionally "
-                              "rejected_tokens).")
+            raise RecipeError(
+                f"`data.synthetic` must be a mapping with the keys {sorted(keys)} (and optionally rejected_tokens)."
+            )
         s = args.synthetic
         if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
             raise RecipeError("`data.synthetic` needs pairs >= 1 and 0 < prompt_tokens < seq_tokens - 1.")
         if not 2 <= s.get("rejected_tokens", 2) <= s["seq_tokens"] - s["prompt_tokens"]:
-            raise RecipeError("`data.synthetic.rejected_tokens` (the rejected completion, EOS included) must be "
-                              "between 2 and seq_tokens - prompt_tokens (the chosen completion's length).")
-    given = [k for k, on in (("train_files", args.train_files), ("dataset_name", args.dataset_name),
-                             ("mixture", args.mixture), ("synthetic", args.synthetic is not None)) if on]
+            raise RecipeError(
+                "`data.synthetic.rejected_tokens` (the rejected completion, EOS included) must be "
+                "between 2 and seq_tokens - prompt_tokens (the chosen completion's length)."
+            )
+    given = [
+        k
+        for k, on in (
+            ("train_files", args.train_files),
+            ("dataset_name", args.dataset_name),
+            ("mixture", args.mixture),
+            ("synthetic", args.synthetic is not None),
+        )
+        if on
+    ]
     if len(given) > 1:
         raise RecipeError(f"Set one source of training data; {' and '.join(f'`data.{k}`' for k in given)} are all set.")
     if not given:
-        raise RecipeError("No training data: set `data.train_files` (JSONL/JSON/Parquet files or a dataset directory), "
-                          "`data.dataset_name` (a Hub dataset) or `data.mixture`.")
+        raise RecipeError(
+            "No training data: set `data.train_files` (JSONL/JSON/Parquet files or a dataset directory), "
+            "`data.dataset_name` (a Hub dataset) or `data.mixture`."
+        )
     if args.columns is not None:
         _check_columns(args.columns, "data.columns")
     if args.mixture is not None:
         _check_mixture(args)
     if args.eval_split and not args.dataset_name:
-        raise RecipeError("`data.eval_split` names a split of `data.dataset_name`; for files use `data.eval_files`, "
-                          "in a mixture `test_split` per source.")
-    files = [("train_files", f) for f in args.train_files] + [("eval_files", f) for f in args.eval_files] + [
-        (f"mixture[{i}].files", f) for i, src in enumerate(args.mixture or []) for f in src.get("files", [])]
+        raise RecipeError(
+            "`data.eval_split` names a split of `data.dataset_name`; for files use `data.eval_files`, "
+            "in a mixture `test_split` per source."
+        )
+    files = (
+        [("train_files", f) for f in args.train_files]
+        + [("eval_files", f) for f in args.eval_files]
+        + [(f"mixture[{i}].files", f) for i, src in enumerate(args.mixture or []) for f in src.get("files", [])]
+    )
     for key, f in files:
         path = resolve_path(f)
         if not os.path.exists(path):
@@ -68,10 +86,16 @@ def check_data_args(args: DataArgs) -> None:
 
 
 def _check_columns(columns, key: str) -> None:
-    if not isinstance(columns, dict) or not columns or not set(columns) <= set(PAIR_COLUMNS) or \
-            not all(isinstance(v, str) for v in columns.values()):
-        raise RecipeError(f"`{key}` maps TRL's column names to yours: `{{prompt: question, chosen: good, rejected: "
-                          f"bad}}` (keys among {', '.join(PAIR_COLUMNS)}), got {columns!r}.")
+    if (
+        not isinstance(columns, dict)
+        or not columns
+        or not set(columns) <= set(PAIR_COLUMNS)
+        or not all(isinstance(v, str) for v in columns.values())
+    ):
+        raise RecipeError(
+            f"`{key}` maps TRL's column names to yours: `{{prompt: question, chosen: good, rejected: "
+            f"bad}}` (keys among {', '.join(PAIR_COLUMNS)}), got {columns!r}."
+        )
 
 
 def _check_mixture(args: DataArgs) -> None:
@@ -90,13 +114,15 @@ def _check_mixture(args: DataArgs) -> None:
             src["files"] = [src["files"]]
         fraction = src.get("fraction", 1.0)
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise RecipeError(f"`{key}.fraction` is the share of the source's rows to train on, in (0, 1]; got "
-                              f"{fraction!r}.")
+            raise RecipeError(
+                f"`{key}.fraction` is the share of the source's rows to train on, in (0, 1]; got {fraction!r}."
+            )
         if "columns" in src:
             _check_columns(src["columns"], f"{key}.columns")
         if "files" in src and "test_split" in src:
-            raise RecipeError(f"`{key}`: `test_split` names a split of a `name` source; for files use "
-                              "`data.eval_files`.")
+            raise RecipeError(
+                f"`{key}`: `test_split` names a split of a `name` source; for files use `data.eval_files`."
+            )
 
 
 def _read_files(files: list[str], key: str):
@@ -129,8 +155,10 @@ def _read_files(files: list[str], key: str):
         return datasets.load_dataset(builders.pop(), data_files=paths, split="train")
     except datasets.exceptions.DatasetGenerationError as e:
         cause = e.__cause__ or e
-        raise RecipeError(f"`data.{key}` could not be read ({type(cause).__name__}: {str(cause)[:200]}); "
-                          "fix the file (one JSON object per line for .jsonl).") from None
+        raise RecipeError(
+            f"`data.{key}` could not be read ({type(cause).__name__}: {str(cause)[:200]}); "
+            "fix the file (one JSON object per line for .jsonl)."
+        ) from None
     finally:
         ds_logger.setLevel(level)
 
@@ -143,11 +171,15 @@ def _check_first_json_line(name: str, path: str, key: str) -> None:
                 try:
                     row = json.loads(line)
                 except ValueError as e:
-                    raise RecipeError(f"`data.{key}` {name!r} line {number} is not JSON ({e}); a .jsonl file holds "
-                                      "one JSON object per line.") from None
+                    raise RecipeError(
+                        f"`data.{key}` {name!r} line {number} is not JSON ({e}); a .jsonl file holds "
+                        "one JSON object per line."
+                    ) from None
                 if not isinstance(row, dict):
-                    raise RecipeError(f"`data.{key}` {name!r} line {number} is a JSON {type(row).__name__}, not an "
-                                      "object; a .jsonl file holds one JSON object per line.")
+                    raise RecipeError(
+                        f"`data.{key}` {name!r} line {number} is a JSON {type(row).__name__}, not an "
+                        "object; a .jsonl file holds one JSON object per line."
+                    )
                 return
 
 
@@ -160,11 +192,18 @@ def _read_hub(name: str, config: str | None, split: str, key: str):
     try:
         return datasets.load_dataset(local if os.path.isdir(local) else name, config, split=split)
     except (FileNotFoundError, ConnectionError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-        offline = (" (HF_HUB_OFFLINE=1 is set: only datasets loaded before are read; unset it, or load the dataset "
-                   "once with network)") if constants.HF_HUB_OFFLINE else ""
+        offline = (
+            (
+                " (HF_HUB_OFFLINE=1 is set: only datasets loaded before are read; unset it, or load the dataset "
+                "once with network)"
+            )
+            if constants.HF_HUB_OFFLINE
+            else ""
+        )
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise RecipeError(f"`{key}` {name!r} (config {config!r}, split {split!r}) could not be loaded{offline}: "
-                          f"{reason}") from None
+        raise RecipeError(
+            f"`{key}` {name!r} (config {config!r}, split {split!r}) could not be loaded{offline}: {reason}"
+        ) from None
 
 
 def _check_pairs(ds, key: str):
@@ -193,8 +232,9 @@ def _renamed(ds, columns: dict | None, key: str):
     if columns:
         absent = [src for src in columns.values() if src not in ds.column_names]
         if absent:
-            raise RecipeError(f"`{key}` maps from column(s) {absent} that the data does not have (found "
-                              f"{ds.column_names}).")
+            raise RecipeError(
+                f"`{key}` maps from column(s) {absent} that the data does not have (found {ds.column_names})."
+            )
         ds = ds.rename_columns({src: dst for dst, src in columns.items() if src != dst})
     keep = [c for c in PAIR_COLUMNS if c in ds.column_names]
     return ds.select_columns(keep) if keep else ds
@@ -205,8 +245,15 @@ def sources(args: DataArgs) -> list[dict]:
     if args.mixture:
         return args.mixture
     if args.dataset_name:
-        return [{"name": args.dataset_name, "config": args.dataset_config, "split": args.dataset_split,
-                 "columns": args.columns, "test_split": args.eval_split}]
+        return [
+            {
+                "name": args.dataset_name,
+                "config": args.dataset_config,
+                "split": args.dataset_split,
+                "columns": args.columns,
+                "test_split": args.eval_split,
+            }
+        ]
     return [{"files": args.train_files, "columns": args.columns}]
 
 
@@ -215,8 +262,12 @@ def _load_source(src: dict, i: int | None, split_key: str = "split"):
     if "files" in src:
         ds = _read_files(src["files"], "train_files" if i is None else f"mixture[{i}].files")
     else:
-        ds = _read_hub(src["name"], src.get("config"), src.get(split_key) or "train",
-                       "data.dataset_name" if i is None else f"{where}.name")
+        ds = _read_hub(
+            src["name"],
+            src.get("config"),
+            src.get(split_key) or "train",
+            "data.dataset_name" if i is None else f"{where}.name",
+        )
     return _renamed(ds, src.get("columns"), f"{where}.columns")
 
 
@@ -228,9 +279,11 @@ def _concatenate(parts: list, key: str):
     try:
         return datasets.concatenate_datasets(parts).shuffle(seed=42)  # alignment-handbook's dataset_mixer order
     except ValueError as e:
-        raise RecipeError(f"`{key}`: the sources cannot be mixed, their columns differ ({str(e).splitlines()[0][:160]}"
-                          "); give them one format (all strings or all conversations) and map names with "
-                          "`columns`.") from None
+        raise RecipeError(
+            f"`{key}`: the sources cannot be mixed, their columns differ ({str(e).splitlines()[0][:160]}"
+            "); give them one format (all strings or all conversations) and map names with "
+            "`columns`."
+        ) from None
 
 
 def load_train_data(args: DataArgs):
@@ -259,8 +312,11 @@ def load_eval_data(args: DataArgs):
     if args.synthetic:
         return None
     mixed = args.mixture is not None
-    parts = [_load_source(src, i if mixed else None, "test_split") for i, src in enumerate(sources(args))
-             if src.get("test_split")]
+    parts = [
+        _load_source(src, i if mixed else None, "test_split")
+        for i, src in enumerate(sources(args))
+        if src.get("test_split")
+    ]
     return _check_pairs(_concatenate(parts, "data.mixture"), "eval_split") if parts else None
 
 
@@ -272,8 +328,10 @@ def check_chat_template(tokenizer, dataset, key: str = "train_files", rows: int 
     if not isinstance(first["chosen"], list):
         return None  # standard (string) pairs: no template involved
     if not getattr(tokenizer, "chat_template", None):
-        raise RecipeError(f"`data.{key}` holds conversations but the tokenizer has no chat template: set "
-                          "`model.chat_template` (a .jinja file or the template itself), or use a tokenizer that has one.")
+        raise RecipeError(
+            f"`data.{key}` holds conversations but the tokenizer has no chat template: set "
+            "`model.chat_template` (a .jinja file or the template itself), or use a tokenizer that has one."
+        )
     from jinja2 import TemplateError
 
     dropped, roles, checked = 0, set(), min(rows, len(dataset))
@@ -283,15 +341,19 @@ def check_chat_template(tokenizer, dataset, key: str = "train_files", rows: int 
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False)
         except TemplateError as e:
-            raise RecipeError(f"`data.{key}` row {i}: the chat template refuses it ({e}); fix the data or set "
-                              "`model.chat_template` to a template that accepts these roles.") from None
+            raise RecipeError(
+                f"`data.{key}` row {i}: the chat template refuses it ({e}); fix the data or set "
+                "`model.chat_template` to a template that accepts these roles."
+            ) from None
         lost = {m["role"] for m in messages if str(m.get("content") or "").strip() not in text}
         if lost:
             dropped += 1
             roles |= lost
     if dropped:
-        return (f"chat template: {dropped} of the first {checked} pairs have messages the template leaves out (roles: "
-                f"{', '.join(sorted(roles))}); they train without them. Set `model.chat_template` to keep them.")
+        return (
+            f"chat template: {dropped} of the first {checked} pairs have messages the template leaves out (roles: "
+            f"{', '.join(sorted(roles))}); they train without them. Set `model.chat_template` to keep them."
+        )
     return None
 
 
@@ -308,9 +370,32 @@ def prompt_tokens(tokenizer, row: dict) -> int:
     else:
         eos = tokenizer.eos_token or ""
         prompt = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        full = [_tokenize(tokenizer, row["prompt"] + (row[k] if row[k].endswith(eos) else row[k] + eos))["input_ids"]
-                for k in ("chosen", "rejected")]
+        full = [
+            _tokenize(tokenizer, row["prompt"] + (row[k] if row[k].endswith(eos) else row[k] + eos))["input_ids"]
+            for k in ("chosen", "rejected")
+        ]
     return min(common_prefix_length(prompt, ids) for ids in full)
+
+
+def longest_pair(tokenizer, dataset) -> int:
+    """Tokens of the longest sequence (prompt + the longer completion) as TRL tokenizes it: what `max_length: null`
+    trains on, and so what the planner plans for. One pass over the data (TRL makes the same one after the models
+    load)."""
+    from trl.data_utils import _tokenize, extract_prompt, is_conversational
+
+    longest = 0
+    for row in dataset:
+        row = row if "prompt" in row else extract_prompt(row)
+        for key in ("chosen", "rejected"):
+            if is_conversational(row):
+                ids = _tokenize(tokenizer, row["prompt"] + row[key])["input_ids"]
+            else:
+                eos = tokenizer.eos_token or ""
+                ids = _tokenize(tokenizer, row["prompt"] + (row[key] if row[key].endswith(eos) else row[key] + eos))[
+                    "input_ids"
+                ]
+            longest = max(longest, len(ids))
+    return longest
 
 
 def check_some_pair_fits(tokenizer, dataset, max_length: int | None, truncation_mode: str) -> None:
@@ -325,8 +410,10 @@ def check_some_pair_fits(tokenizer, dataset, max_length: int | None, truncation_
         if n < max_length:
             return
         shortest = n if shortest is None else min(shortest, n)
-    raise RecipeError(f"All {len(dataset)} pairs would be dropped: every prompt is at least `max_length` "
-                      f"({max_length}) tokens (the shortest has {shortest}). Raise `max_length`.")
+    raise RecipeError(
+        f"All {len(dataset)} pairs would be dropped: every prompt is at least `max_length` "
+        f"({max_length}) tokens (the shortest has {shortest}). Raise `max_length`."
+    )
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:
@@ -350,7 +437,9 @@ def length_report(tokenized, n_raw: int, max_length: int | None) -> dict:
         "tokens_p90": _percentile(lengths, 0.9),
         "tokens_max": lengths[-1],
         "truncated": sum(n > max_length for n in lengths) if max_length else 0,
-        "tokens_lost_share": round(sum(max(0, n - max_length) for n in lengths) / sum(lengths), 4) if max_length else 0.0,
+        "tokens_lost_share": round(sum(max(0, n - max_length) for n in lengths) / sum(lengths), 4)
+        if max_length
+        else 0.0,
         "dropped": n_raw - len(lengths),
         "max_length": max_length,
     }
@@ -360,13 +449,16 @@ def truncation_warning(report: dict) -> str | None:
     """A loud line when `max_length` cuts pairs: how many, and the share of their tokens lost."""
     if not report["truncated"]:
         return None
-    return (f"max_length {report['max_length']} truncates {report['truncated']} of {report['pairs']} pairs "
-            f"({report['tokens_lost_share']:.0%} of all tokens lost; longest pair {report['tokens_max']} tokens): raise "
-            "`max_length` unless this is intended.")
+    return (
+        f"max_length {report['max_length']} truncates {report['truncated']} of {report['pairs']} pairs "
+        f"({report['tokens_lost_share']:.0%} of all tokens lost; longest pair {report['tokens_max']} tokens): raise "
+        "`max_length` unless this is intended."
+    )
 
 
-def synthetic_pairs(pairs: int, seq_tokens: int, prompt_tokens: int, rejected_tokens: int | None = None,
-                    seed: int = 0) -> list[dict]:
+def synthetic_pairs(
+    pairs: int, seq_tokens: int, prompt_tokens: int, rejected_tokens: int | None = None, seed: int = 0
+) -> list[dict]:
     """Standard-format pairs for the byte tokenizer: prompt + chosen is exactly `seq_tokens` (what max_length
     measures), the rejected completion `rejected_tokens` (EOS included; default: as long as the chosen one).
 
@@ -381,8 +473,10 @@ def synthetic_pairs(pairs: int, seq_tokens: int, prompt_tokens: int, rejected_to
     def text(k: int) -> str:
         return "".join(rng.choice(letters) for _ in range(k))
 
-    return [{"prompt": text(prompt_tokens), "chosen": text(chosen - 1), "rejected": text(rejected - 1)}
-            for _ in range(pairs)]
+    return [
+        {"prompt": text(prompt_tokens), "chosen": text(chosen - 1), "rejected": text(rejected - 1)}
+        for _ in range(pairs)
+    ]
 
 
 # The shapes of preference data the benchmarks run, for a sequence (prompt + the longer completion) of L tokens:

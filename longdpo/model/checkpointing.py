@@ -14,34 +14,14 @@ Policies (`memory.checkpointing`):
                   layer's backward holds the inner modules' inputs plus one module's intermediates instead of
                   the whole layer's intermediates.
 
-Why "done right": a probe on one H200 (12B architecture, one pair, TRL 1.16) found that wrapping inner modules in
-checkpoints inside transformers' layer checkpointing made memory worse (12k: 17.1 -> 25.7 GB; 64k + offload: OOM
-instead of 38.8 GB). The cause, read in torch 2.13's torch/utils/checkpoint.py: a non-reentrant checkpoint saves its
-*positional* tensor inputs through the saved-tensor hooks (so an enclosing checkpoint drops them), but its *keyword*
-inputs are captured by the recompute closure and stay alive until backward. Mistral's attention is called with
-`hidden_states=` as a keyword, so every layer's attention input (2 x seq x 5120 bf16: ~250 MB per layer at 12k,
-~10 GB over 40 layers) was pinned. Here every wrapped module passes its keyword tensors positionally into the
-checkpoint, so nesting inside the layer checkpoint keeps nothing beyond what the layer checkpoint keeps.
+Why "done right": a non-reentrant checkpoint saves its *positional* tensor inputs through the saved-tensor hooks (so
+an enclosing checkpoint drops them) but keeps its *keyword* inputs alive in the recompute closure until backward;
+attention is called with `hidden_states=`, so naive nesting pinned every layer's attention input and raised memory
+(12k: 17.1 -> 25.7 GB). Every wrapped module here passes its keyword tensors positionally. The measurements behind
+each policy and lever: docs/DESIGN.md and docs/BENCHMARKS.md.
 
-Which wins where (one H200, 40-layer 12B architecture, one pair, SGD in backward, GB above the 49 GB of weights;
-results/gpu_2026-12-02_emulate_12k and results/gpu_2026-12-02_snapshot_12k_64k):
-  12k  layer (stock) 17.14 / 6.23 s   norm_attn_mlp 45.81 / 6.15 s   layer+norm_attn_mlp 15.61 / 6.65 s
-       with TRL activation offloading: layer 7.33 / 6.26 s   layer+norm_attn_mlp 5.56 / 6.66 s (best)
-       layer+norm_attn + TiledMLP(8) 6.64 / 9.71 s
-  64k  with offloading: layer 38.78 / 54.7 s   layer+norm_attn_mlp 29.36 / 61.0 s (best)
-  Later levers (README's headline table): lean norms + the lean LM head + MLP chunks under the plain layer checkpoint
-  reach 3.94 GB / 6.85 s at 12k, 8.43 GB at 32k and 16.79 GB / 59.3 s at 64k; nesting attention then costs ~10% time
-  and saves nothing at 32k-64k.
-Module checkpoints without the layer checkpoint (NeMo-RL PR #926's DTensor setting) keep every module input of every layer
-and lose badly here; nested inside it they cut the per-layer backward peak (the fp32 norm casts, 2 x 1.0 GB at 12k,
-drop to 0.5 GB). At 12k the peak that remains is one MLP's recomputed intermediates (2.1 GB) and the LM-head /
-embedding gradients (2.4 GB).
-
-Chunking (`memory.mlp_chunks: N`): each of N chunks of every MLP's tokens in its own checkpoint, aimed at the
-largest holder the 12k snapshot shows (one MLP's recomputed intermediates, 2.1 GB); nested in the layer checkpoint
-the chunks cost no extra MLP forward (see `_wrap_chunked_mlp`). Measured at 12k, when the layer's replay still ran
-them (results/gpu_2026-12-02_chunked_mlp_12k): layer+norm_attn + 4 chunks + offloading 5.29 GB / 7.27 s vs
-5.56 GB / 6.66 s unchunked: the peak moves on to the LM-head/embedding gradients and offloaded inputs.
+Chunking (`memory.mlp_chunks: N`): each of N contiguous chunks of every MLP's tokens in its own checkpoint; nested in
+the layer checkpoint the chunks cost no extra MLP forward (see `_wrap_chunked_mlp`).
 
 Tiling (`memory.tiled_mlp: N`): DeepSpeed's TiledMLP runs each MLP over N sequence tiles and recomputes it in
 backward, so only the MLP input is kept and the 14336-wide intermediates exist one tile at a time. A tiled MLP is
@@ -55,8 +35,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .config import RecipeError
-from .lean_norm import make_lean
+from longdpo.config import RecipeError
+from longdpo.model.lean_norm import make_lean
 
 INNER = {"attn_mlp": ("attn", "mlp"), "norm_attn": ("norm", "attn"), "norm_attn_mlp": ("norm", "attn", "mlp")}
 POLICIES = ["none", "layer", *INNER, *(f"layer+{p}" for p in INNER)]
@@ -69,7 +49,9 @@ def check_policy(policy: str) -> None:
 
         close = difflib.get_close_matches(policy, POLICIES, n=1)
         hint = f" Did you mean `{close[0]}`?" if close else ""
-        raise RecipeError(f"`memory.checkpointing: {policy}` is not a policy.{hint} Choose one of: {', '.join(POLICIES)}.")
+        raise RecipeError(
+            f"`memory.checkpointing: {policy}` is not a policy.{hint} Choose one of: {', '.join(POLICIES)}."
+        )
 
 
 def check_mlp_split(tiled_mlp: int, mlp_chunks: int) -> None:
@@ -134,7 +116,9 @@ def _under_non_reentrant_layer_checkpoint(layer: torch.nn.Module | None) -> bool
     """Asked in the forward: does transformers' per-layer checkpoint of `layer` run non-reentrant now? (A reentrant
     one runs its forward under no_grad, so the chunked path is not taken there at all.)"""
     func = getattr(layer, "_gradient_checkpointing_func", None)
-    return bool(getattr(layer, "gradient_checkpointing", False) and getattr(func, "keywords", {}).get("use_reentrant") is False)
+    return bool(
+        getattr(layer, "gradient_checkpointing", False) and getattr(func, "keywords", {}).get("use_reentrant") is False
+    )
 
 
 def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module | None = None) -> None:
@@ -158,7 +142,11 @@ def _wrap_chunked_mlp(mlp: torch.nn.Module, chunks: int, layer: torch.nn.Module 
         # under no_grad). Seen when only grad-enabled forwards recorded it: with LoRA under ZeRO-3, step 1 ran
         # non-reentrant and later steps reentrant (TRL re-enables checkpointing with forced reentrant arguments),
         # so the later replays skipped the chunks whose outputs a reentrant backward uses: wrong gradients.
-        if mlp.training and not in_replay and (torch.is_grad_enabled() or getattr(layer, "gradient_checkpointing", False)):
+        if (
+            mlp.training
+            and not in_replay
+            and (torch.is_grad_enabled() or getattr(layer, "gradient_checkpointing", False))
+        ):
             replay_free = _under_non_reentrant_layer_checkpoint(layer)
         if not (mlp.training and torch.is_grad_enabled()):
             return forward(x)
@@ -195,8 +183,9 @@ def rms_norms(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.input_layernorm, layer.post_attention_layernorm, *(n for n in inside if n is not None)]
 
 
-def apply_memory_patches(model: torch.nn.Module, policy: str, tiled_mlp: int = 0,
-                         mlp_chunks: int = 0, lean_norm: bool = False, label=None) -> dict[str, int]:
+def apply_memory_patches(
+    model: torch.nn.Module, policy: str, tiled_mlp: int = 0, mlp_chunks: int = 0, lean_norm: bool = False, label=None
+) -> dict[str, int]:
     """Wrap the policy model's module forwards for `policy` (tile or chunk its MLPs, make its norms lean).
     `label(model)`, if given, runs after the norms are made lean and before any wrapper (recipes/profiling.py).
     Returns what was wrapped."""

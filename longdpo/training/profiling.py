@@ -28,10 +28,22 @@ from transformers import TrainerCallback
 
 PREFIX = "recipes:"
 # backward node names (autograd's class names) -> kind
-_BACKWARD_KINDS = (("Attention", "attention"), ("Flash", "attention"), ("Cudnn", "attention"),
-                   ("Mm", "matmul"), ("Addmm", "matmul"), ("Bmm", "matmul"), ("Linear", "matmul"),
-                   ("RMSNorm", "norm"), ("Norm", "norm"), ("Silu", "activation"), ("SiLU", "activation"),
-                   ("Swiglu", "activation"), ("SwiGLU", "activation"), ("LogProb", "lm_head"))
+_BACKWARD_KINDS = (
+    ("Attention", "attention"),
+    ("Flash", "attention"),
+    ("Cudnn", "attention"),
+    ("Mm", "matmul"),
+    ("Addmm", "matmul"),
+    ("Bmm", "matmul"),
+    ("Linear", "matmul"),
+    ("RMSNorm", "norm"),
+    ("Norm", "norm"),
+    ("Silu", "activation"),
+    ("SiLU", "activation"),
+    ("Swiglu", "activation"),
+    ("SwiGLU", "activation"),
+    ("LogProb", "lm_head"),
+)
 
 
 def _in_backward() -> bool:
@@ -53,13 +65,17 @@ def label(module: torch.nn.Module, kind: str) -> None:
 def instrument(model: torch.nn.Module) -> int:
     """Label the decoder's attention, MLP and norm modules (after the lean norms replace their forwards, before any
     checkpoint wrapper: `apply_memory_patches(..., label=instrument)`). Returns a count."""
-    from .checkpointing import decoder_modules
+    from longdpo.model.checkpointing import decoder_modules
 
     layers, final_norm = decoder_modules(model)
     count = 0
     for layer in layers:
-        for module, kind in ((layer.self_attn, "attention"), (layer.mlp, "mlp"),
-                             (layer.input_layernorm, "norm"), (layer.post_attention_layernorm, "norm")):
+        for module, kind in (
+            (layer.self_attn, "attention"),
+            (layer.mlp, "mlp"),
+            (layer.input_layernorm, "norm"),
+            (layer.post_attention_layernorm, "norm"),
+        ):
             label(module, kind)
             count += 1
     label(final_norm, "norm")
@@ -69,7 +85,7 @@ def instrument(model: torch.nn.Module) -> int:
 def instrument_reference(ref_model: torch.nn.Module | None) -> None:
     """Label the reference model's decoder layers `forward:reference` (it runs under no_grad: forward only)."""
     if ref_model is not None:
-        from .checkpointing import decoder_modules
+        from longdpo.model.checkpointing import decoder_modules
 
         for layer in decoder_modules(ref_model)[0]:
             label(layer, "reference")
@@ -81,7 +97,7 @@ def _row(event) -> str:
     while e is not None:
         name = e.name
         if name.startswith(PREFIX):
-            return name[len(PREFIX):]
+            return name[len(PREFIX) :]
         if name.startswith("autograd::engine::evaluate_function: "):
             node = name.split(": ", 1)[1]
             kind = next((k for key, k in _BACKWARD_KINDS if key in node), "other")
@@ -116,8 +132,12 @@ def breakdown(events) -> dict[str, float]:
 def render(rows: dict[str, float], wall_ms: float, step: int) -> str:
     total = sum(rows.values())
     what = "GPU kernel time" if torch.cuda.is_available() else "CPU time of the ops (no GPU)"
-    lines = [f"Step {step}: wall {wall_ms:.0f} ms; {total:.0f} ms of {what}; copies and communication overlap "
-             "compute.", "", "| where | ms | share |", "|---|---|---|"]
+    lines = [
+        f"Step {step}: wall {wall_ms:.0f} ms; {total:.0f} ms of {what}; copies and communication overlap compute.",
+        "",
+        "| where | ms | share |",
+        "|---|---|---|",
+    ]
     lines += [f"| {k} | {v:.1f} | {v / total:.1%} |" for k, v in rows.items()] if total else []
     return "\n".join(lines) + "\n"
 
@@ -155,8 +175,15 @@ class ProfileCallback(TrainerCallback):
         base = os.path.join(args.output_dir, f"profile_step{self.step}")
         os.makedirs(args.output_dir, exist_ok=True)
         with open(base + ".json", "w") as f:
-            json.dump({"step": self.step, "wall_ms": round(wall_ms, 1),
-                       "kernel_ms": {k: round(v, 2) for k, v in rows.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "step": self.step,
+                    "wall_ms": round(wall_ms, 1),
+                    "kernel_ms": {k: round(v, 2) for k, v in rows.items()},
+                },
+                f,
+                indent=1,
+            )
         with open(base + ".md", "w") as f:
             f.write(render(rows, wall_ms, self.step))
         prof.export_chrome_trace(base + ".trace.json.gz")  # torch gzips a .gz path

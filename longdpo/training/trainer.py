@@ -1,19 +1,27 @@
-"""TRL's DPOTrainer with what the recipes add around a step: memory telemetry in every training log, the
-non-finite guard (recipes/resilience.py), sequence-parallel data sharding and token counting
-(recipes/sequence_parallel.py). Imported after the allocator is set (it imports torch through TRL).
+"""TRL's DPOTrainer with what a run adds around a step: memory telemetry in every training log, the non-finite
+guard (longdpo/cluster/resilience.py), TRL's activation offloading kept away from ZeRO-3 parameters
+(longdpo/model/offloading.py), sequence-parallel forwards, data sharding and token counting
+(longdpo/model/sequence_parallel.py). Imported after the allocator is set (it imports torch through TRL).
 """
 
 from __future__ import annotations
-
-import os
 
 from trl import DPOTrainer
 
 
 class RecipeDPOTrainer(DPOTrainer):
-    def __init__(self, *args, memory_callback, guard, sp=None, **kwargs):
+    def __init__(self, *args, memory_callback, guard, sp=None, offload_pin_memory: bool = True, **kwargs):
         self.recipe_memory, self.recipe_guard, self.recipe_sp = memory_callback, guard, sp
         super().__init__(*args, **kwargs)
+        if self.args.activation_offloading:  # TRL's offloader, kept away from ZeRO-3 parameters, pinned or not
+            from longdpo.model.offloading import offload_context
+
+            self.maybe_activation_offload_context = offload_context(self.model, offload_pin_memory)
+            memory_callback.offload_ledger = self.maybe_activation_offload_context.ledger
+        if sp:
+            sp.wrap(self.model)  # TRL's fused-LM-head forwards, policy and reference
+            sp.wrap(self.ref_model)
+            self._tp_size = sp.k  # TRL's token count gathers every rank: a group holds each token K times
 
     def log(self, logs, start_time=None):
         if self.model.training:
@@ -30,12 +38,8 @@ class RecipeDPOTrainer(DPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        loss = out[0] if return_outputs else out
-        if model.training and os.environ.get("RECIPES_FAULT_NAN_AT_STEP") == str(self.state.global_step + 1):
-            loss = loss * float("nan")  # fault injection for the tests: a NaN loss at step N
-            out = (loss, *out[1:]) if return_outputs else loss
         if model.training:
-            self.recipe_guard.saw_loss(loss)
+            self.recipe_guard.saw_loss(out[0] if return_outputs else out)
         return out
 
     def _get_grad_norm(self, model, grad_norm=None):

@@ -1,4 +1,4 @@
-"""Per-rank emulation on one GPU (the benchmark's per-rank emulation): SGD applied inside backward, each gradient freed at once.
+"""Per-rank emulation on one GPU: SGD applied inside backward, each gradient freed at once.
 
 One GPU cannot hold a 12B model's AdamW state. What one rank of an 8-GPU ZeRO-3 run carries on top of its
 model-state shard is its activations plus transient gathered weights; full gradients never persist there

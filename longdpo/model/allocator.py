@@ -1,9 +1,9 @@
 """CUDA caching-allocator settings that really take effect (a bug NeMo-RL PR #926 found, fixed).
 
-NeMo-RL PR #926 found that setting PYTORCH_CUDA_ALLOC_CONF after CUDA is initialised silently does nothing: the allocator
-reads the variable once, when it starts. So the entrypoint applies `memory.allocator_conf` before it imports torch
-(it reads the recipe YAML with plain Python first), and if CUDA is already up (e.g. a notebook) it goes through
-torch's runtime call `torch.cuda.memory._set_allocator_settings`; if neither can work it fails loudly.
+NeMo-RL PR #926 found that setting PYTORCH_CUDA_ALLOC_CONF after CUDA is initialised silently does nothing: the
+allocator reads the variable once, when it starts. So the entrypoint applies `memory.allocator_conf` before it
+imports torch (it reads the recipe YAML with plain Python first), and if CUDA is already up (e.g. a notebook) it goes
+through torch's runtime call `torch.cuda.memory._set_allocator_settings`; if neither can work it fails loudly.
 
 torch accepts unknown keys silently, so keys and values are checked here. Pure Python: importing this module does
 not import torch.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import RecipeError
+from longdpo.config import RecipeError
 
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch >= 2.9 reads the second, older the first
 
@@ -73,13 +73,16 @@ def parse(conf: str) -> dict[str, str]:
     for part in filter(None, parts):
         key, sep, value = part.partition(":")
         if not sep or not value:
-            raise RecipeError(f"`memory.allocator_conf` entry {part!r} is malformed; write `key:value`, "
-                              "e.g. `max_split_size_mb:64`.")
+            raise RecipeError(
+                f"`memory.allocator_conf` entry {part!r} is malformed; write `key:value`, e.g. `max_split_size_mb:64`."
+            )
         if key not in KEYS:
             close = difflib.get_close_matches(key, KEYS, n=1)
             hint = f" Did you mean `{close[0]}`?" if close else ""
-            raise RecipeError(f"`memory.allocator_conf` key `{key}` is not a CUDA allocator setting.{hint} "
-                              f"Known keys: {', '.join(KEYS)}.")
+            raise RecipeError(
+                f"`memory.allocator_conf` key `{key}` is not a CUDA allocator setting.{hint} "
+                f"Known keys: {', '.join(KEYS)}."
+            )
         ok, expected = KEYS[key]
         if not ok(value):
             raise RecipeError(f"`memory.allocator_conf` {key} must be {expected}, got {value!r}.")
@@ -100,9 +103,11 @@ def resolve(recipe_conf: str | None, environ=os.environ) -> tuple[str | None, st
     return None, "default"
 
 
-_TOO_LATE = ("CUDA was initialised before `memory.allocator_conf` ({conf}) could be applied, and {why}; launch "
-             "through launch/train_dpo.py (it applies the setting before importing torch) or export "
-             "PYTORCH_CUDA_ALLOC_CONF in the shell before starting Python.")
+_TOO_LATE = (
+    "CUDA was initialised before `memory.allocator_conf` ({conf}) could be applied, and {why}; launch "
+    "through launch/train_dpo.py (it applies the setting before importing torch) or export "
+    "PYTORCH_CUDA_ALLOC_CONF in the shell before starting Python."
+)
 
 
 def apply(recipe_conf: str | None, environ=os.environ) -> dict:
@@ -111,8 +116,13 @@ def apply(recipe_conf: str | None, environ=os.environ) -> dict:
     path 'environment': set before CUDA initialises (the allocator reads it at start);
     path 'runtime':     CUDA already initialised, applied via torch.cuda.memory._set_allocator_settings."""
     conf, source = resolve(recipe_conf, environ)
-    record = {"allocator_conf": conf, "source": source, "path": None,
-              "torch_imported_before": "torch" in sys.modules, "cuda_initialized_before": False}
+    record = {
+        "allocator_conf": conf,
+        "source": source,
+        "path": None,
+        "torch_imported_before": "torch" in sys.modules,
+        "cuda_initialized_before": False,
+    }
     if conf is None:
         return record
     torch = sys.modules.get("torch")
@@ -129,11 +139,19 @@ def apply(recipe_conf: str | None, environ=os.environ) -> dict:
     try:
         setter(conf)
     except (AttributeError, RuntimeError) as e:
-        raise RecipeError(_TOO_LATE.format(conf=conf, why=f"torch's runtime allocator-settings call failed ({e})")) from e
+        raise RecipeError(
+            _TOO_LATE.format(conf=conf, why=f"torch's runtime allocator-settings call failed ({e})")
+        ) from e
     check = verify(conf)
     if check.get("verified") is False:
-        raise RecipeError(_TOO_LATE.format(conf=conf, why=(
-            f"torch's runtime call did not take effect (max_split_size reads {check['max_split_size_bytes']})")))
+        raise RecipeError(
+            _TOO_LATE.format(
+                conf=conf,
+                why=(
+                    f"torch's runtime call did not take effect (max_split_size reads {check['max_split_size_bytes']})"
+                ),
+            )
+        )
     for var in ENV_VARS:  # child processes (dataloader workers) inherit the same setting
         environ[var] = conf
     record["path"] = "runtime"

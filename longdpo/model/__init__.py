@@ -1,0 +1,1 @@
+"""Building the model and the memory levers that wrap its modules."""

@@ -1,0 +1,1 @@
+"""The DPOTrainer subclass, its callbacks and the steps of a run."""
