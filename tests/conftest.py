@@ -19,7 +19,7 @@ from longdpo.config import ModelArgs  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 TINY = os.path.join(ROOT, "recipes", "tiny_mistral", "dpo_quickstart.yaml")
 TRAIN = os.path.join(ROOT, "launch", "train_dpo.py")
-FAULTS = os.path.join(ROOT, "tests", "fault_worker.py")  # train_dpo.py with a fault injected (its docstring)
+FAULTS = os.path.join(ROOT, "tests", "launch", "fault_worker.py")  # train_dpo.py with a fault injected (its docstring)
 ZERO3 = os.path.join(ROOT, "ds_configs", "zero3.json")
 # one tiny run takes under a minute on a 2-core box; a hung one is killed whole at this, not at CI's limit
 RUN_TIMEOUT_S = 300
@@ -29,6 +29,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pytest_collection_modifyitems(items):
+    """Tests under tests/launch/ start the entrypoint under a launcher (tens of seconds each): marked `launcher`, so
+    that `pytest -m "not launcher"` runs the rest in a few minutes."""
+    for item in items:
+        if f"{os.sep}launch{os.sep}" in str(item.fspath):
+            item.add_marker(pytest.mark.launcher)
 
 
 def launch_command(

@@ -203,6 +203,7 @@ def test_an_uncached_hub_dataset_offline_is_one_line(tmp_path, monkeypatch):
         load_train_data(data_args(dataset_name="someone/prefs"))
 
 
+@pytest.mark.launcher
 def test_the_entrypoint_trains_on_a_mixture_and_evaluates_on_its_test_splits(tmp_path):
     import math
 

@@ -23,7 +23,7 @@ def worker(tmp_path_factory, request):
         "2",
         "--master_port",
         str(free_port()),
-        os.path.join(ROOT, "tests", "sp_worker.py"),
+        os.path.join(ROOT, "tests", "launch", "sp_worker.py"),
     ]
     env = {
         **os.environ,

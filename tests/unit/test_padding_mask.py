@@ -72,6 +72,7 @@ def test_right_padding_and_the_start_up_decision():
         padding_mask.check("off")
 
 
+@pytest.mark.launcher
 def test_entrypoint_curve_and_metrics_equal_with_and_without_the_mask(tmp_path):
     """Three AdamW steps through the entrypoint, `auto` against `keep`: the start-up line says which; the curve and
     TRL's logged metrics, token counts included, agree (float32 attention with and without a mask differs by

@@ -110,6 +110,7 @@ print(json.dumps({"ok": ok, "calls": calls, "err": err, "env": env}))
     assert "did not take effect (max_split_size reads -1)" in res["err"]
 
 
+@pytest.mark.launcher
 def test_effective_setting_recorded_in_telemetry(tmp_path):
     run_train(
         tmp_path,

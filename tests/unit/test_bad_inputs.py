@@ -199,6 +199,7 @@ def test_bad_data_files(tmp_path, text, message):
         load_preferences([str(f)])
 
 
+@pytest.mark.launcher
 def test_entrypoint_error_exits_2_with_one_line_and_loses_nothing(tmp_path):
     """All pairs dropped by max_length: found from the prompts' token counts before any model is loaded (TRL's
     tokenization of the dataset comes after the models); the output dir a user pointed at keeps what it had and
@@ -255,6 +256,7 @@ def test_launcher_arguments_are_told_apart_from_overrides(monkeypatch):
         parse_cli(["stray"])
 
 
+@pytest.mark.launcher
 def test_tokenizer_larger_than_vocab_is_caught_before_the_model_is_built(tmp_path):
     arch = json.load(open(os.path.join(ROOT, "recipes", "architectures", "tiny_mistral.json")))
     arch["vocab_size"] = 100
@@ -311,12 +313,14 @@ def test_a_logging_integration_that_is_not_installed_is_one_line(monkeypatch):
     assert resolve_report_to({"report_to": "none"}) == ["none"]
 
 
+@pytest.mark.launcher
 def test_under_the_deepspeed_launcher_an_error_is_said_once(tmp_path):
     proc = run_train(tmp_path / "out", "--model.lora_r", "8", launcher="deepspeed", procs=2, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stdout
     assert proc.stdout.count("error: `model.lora_r` is set but LoRA is off") == 1
 
 
+@pytest.mark.launcher
 def test_a_12b_recipe_on_a_cpu_machine_says_every_problem_at_once(tmp_path):
     """Four settings a CPU cannot run and a model no 24 GB machine holds: one run, one line each, before any model
     is loaded (it was four runs of one error each, then 77 s of silence and the kernel's OOM kill)."""

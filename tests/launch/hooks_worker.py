@@ -22,6 +22,6 @@ def training_step_under_hooks(self, *args, **kwargs):
 
 DPOTrainer.training_step = training_step_under_hooks
 runpy.run_path(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "train_dpo.py"),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "launch", "train_dpo.py"),
     run_name="__main__",
 )

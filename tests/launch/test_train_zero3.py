@@ -94,8 +94,8 @@ def test_resume_under_zero3_continues_the_same_curve(ds2, tmp_path):
 
 @pytest.mark.parametrize("lean_head", ["false", "true"])
 def test_saved_tensor_hooks_under_zero3_leave_the_curve_unchanged(ds2, tmp_path, lean_head):
-    """Activation offloading's hooks around each step (identity hooks here, tests/hooks_worker.py): the fused LM head
-    (TRL's, and the lean one) still gathers its partitioned weight in backward, and nothing changes numerically."""
+    """Activation offloading's hooks around each step (identity hooks here, tests/launch/hooks_worker.py): the fused LM
+    head (TRL's, and the lean one) still gathers its partitioned weight in backward, and nothing changes numerically."""
     run_train(
         tmp_path,
         *STEPS,
@@ -107,7 +107,7 @@ def test_saved_tensor_hooks_under_zero3_leave_the_curve_unchanged(ds2, tmp_path,
         lean_head,
         launcher="deepspeed",
         procs=2,
-        script=os.path.join(ROOT, "tests", "hooks_worker.py"),
+        script=os.path.join(ROOT, "tests", "launch", "hooks_worker.py"),
     )
     assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
 

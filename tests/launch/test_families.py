@@ -1,6 +1,6 @@
 """Llama-3, Qwen2.5, Qwen3 and Mistral through the real entrypoint: each tiny model built in code, with a byte-level
 tokenizer carrying its family's real chat template, on conversational data, with every lever; start-up errors for
-tokenizers and chat templates. (Every policy's numerics per family: tests/test_checkpointing.py.)"""
+tokenizers and chat templates. (Every policy's numerics per family: tests/unit/test_checkpointing.py.)"""
 
 import json
 import math

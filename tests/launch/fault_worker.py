@@ -56,6 +56,6 @@ else:
     raise SystemExit(f"unknown FAULT {os.environ['FAULT']!r}")
 
 runpy.run_path(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "train_dpo.py"),
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "launch", "train_dpo.py"),
     run_name="__main__",
 )

@@ -201,6 +201,7 @@ def test_cli_verdicts(capsys, monkeypatch):
     assert bad.returncode == 2 and "Did you mean `max_length`" in bad.stderr
 
 
+@pytest.mark.launcher
 def test_preflight_refuses_before_anything_is_written(tmp_path):
     proc = run_train(tmp_path / "out", "--memory.memory_cap_gb", "0.0001", check=False)
     assert proc.returncode == 2
@@ -221,6 +222,7 @@ def test_preflight_refuses_before_anything_is_written(tmp_path):
     assert "predicted peak reserved" in ok.stdout
 
 
+@pytest.mark.launcher
 def test_out_of_memory_reports_the_fix_and_keeps_the_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 

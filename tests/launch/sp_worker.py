@@ -1,7 +1,7 @@
-"""Run by tests/test_sequence_parallel.py under `torchrun --nproc_per_node 2` (gloo, CPU): TRL's real DPO loss on one
-real batch, first without sequence parallelism (each rank alone, the whole batch), then with sp_size=2 (each rank
-half of every sequence). Writes, per rank, the loss, TRL's logged metrics and every parameter's gradient as the
-data-parallel engines would apply it (summed over ranks / world size) to $SP_OUT/rank<r>.pt."""
+"""Run by tests/launch/test_sequence_parallel.py under `torchrun --nproc_per_node 2` (gloo, CPU): TRL's real DPO
+loss on one real batch, first without sequence parallelism (each rank alone, the whole batch), then with sp_size=2
+(each rank half of every sequence). Writes, per rank, the loss, TRL's logged metrics and every parameter's gradient
+as the data-parallel engines would apply it (summed over ranks / world size) to $SP_OUT/rank<r>.pt."""
 
 import os
 

@@ -215,6 +215,7 @@ def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
     assert [b["bytes"] for b in out["largest_blocks"]] == [250 * mb, 200 * mb, 100 * mb]
 
 
+@pytest.mark.launcher
 def test_bench_end_to_end_on_cpu(tmp_path):
     """The real path: two configurations in fresh processes, results JSON + table + chart."""
     from tools.bench_memory import main
@@ -317,10 +318,11 @@ def test_model_flops_and_mfu_by_hand():
     assert no_gpu["mfu"] is None
 
 
+@pytest.mark.launcher
 def test_bench_zero3_mode_on_cpu(tmp_path):
     """The real path as NeMo-RL PR #926's 8-GPU setting runs it (deepspeed launcher, ZeRO-3, one pair per rank per
     step), here with 2 CPU processes over gloo. (That every policy keeps stock's curve under ZeRO-3 is
-    tests/test_train_zero3.py's; one configuration here keeps the suite short.)"""
+    tests/launch/test_train_zero3.py's; one configuration here keeps the suite short.)"""
     from conftest import RUN_TIMEOUT_S, free_port
 
     from tools.bench_memory import main
