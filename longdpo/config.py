@@ -9,7 +9,7 @@
 
 Command-line `--key value` overrides the YAML; section keys are dotted (`--memory.checkpointing attn_mlp`).
 Everything here is plain Python: nothing imports torch's CUDA side, so the allocator settings can still be
-applied after a recipe is read (see recipes/allocator.py).
+applied after a recipe is read (see longdpo/model/allocator.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class ModelArgs:
     init_seed (int, defaults to 0): seed of the random initialisation; the reference model of a random-init run is
         built with the same seed, so it is an identical copy of the policy (step-0 loss = ln 2).
 
-    LoRA (recipes/lora.py; the names of TRL's `ModelConfig`, passed to TRL's `get_peft_config`):
+    LoRA (longdpo/model/lora.py; the names of TRL's `ModelConfig`, passed to TRL's `get_peft_config`):
     use_peft (bool, defaults to False): train LoRA adapters instead of all weights. The reference is the base model
         with the adapters switched off: no second copy of the weights, no gradients or optimizer state for them.
     lora_r (int, defaults to 16): adapter rank.
@@ -131,17 +131,17 @@ class DataArgs:
 
 @dataclass
 class MemoryArgs:
-    """The memory levers (recipes/checkpointing.py, recipes/allocator.py, recipes/callbacks.py).
+    """The memory levers (longdpo/model/checkpointing.py, longdpo/model/allocator.py, longdpo/training/callbacks.py).
 
     checkpointing (str, defaults to "layer"): activation-checkpointing policy, one of
         longdpo.model.checkpointing.POLICIES: none, layer, attn_mlp, norm_attn, norm_attn_mlp, layer+attn_mlp, ...
     tiled_mlp (int, defaults to 0): split each MLP over this many sequence tiles (DeepSpeed TiledMLP); 0 = off.
     mlp_chunks (int, defaults to 0): checkpoint each MLP per chunk of its tokens, this many chunks (see
-        recipes/checkpointing.py; cheaper than TiledMLP under the layer checkpoint); 0 = off.
+        longdpo/model/checkpointing.py; cheaper than TiledMLP under the layer checkpoint); 0 = off.
     lean_norm (bool, defaults to False): RMSNorms computed over token chunks with a closed-form backward, saving
-        only their input and one fp32 scale per token (recipes/lean_norm.py): no fp32 copies of the hidden state.
+        only their input and one fp32 scale per token (longdpo/model/lean_norm.py): no fp32 copies of the hidden state.
     lean_lm_head (bool, defaults to False): TRL's fused LM head with its backward looping over vocabulary chunks
-        outside token chunks (recipes/lean_lm_head.py): no fp32 buffer of the whole LM-head weight gradient.
+        outside token chunks (longdpo/model/lean_lm_head.py): no fp32 buffer of the whole LM-head weight gradient.
     offload_pin_memory (bool, defaults to True): with `activation_offloading`, keep offloaded activations in pinned
         host memory (TRL's default: asynchronous copies, but torch's pinned cache rounds each block up to a power of
         two: 1.34 GB -> 2 GB at 64k). False: pageable memory, exact sizes, slower copies; for runs whose offload would
@@ -155,15 +155,15 @@ class MemoryArgs:
         (open it at https://pytorch.org/memory_viz).
     profile_step (int, defaults to 0): profile optimizer step N with torch.profiler and write where its time went, by
         module kind and phase (forward, recompute, backward, offload copies), to profile_step<N>.md, and the whole trace
-        to profile_step<N>.trace.json.gz (open it in https://ui.perfetto.dev; recipes/profiling.py).
+        to profile_step<N>.trace.json.gz (open it in https://ui.perfetto.dev; longdpo/training/profiling.py).
     telemetry (bool, defaults to True): per-step memory/time telemetry to the logs and memory.jsonl.
     sgd_in_backward (bool, defaults to False): the per-rank emulation, one process: apply SGD to each parameter in
-        backward and free its gradient at once (what a ZeRO-3 rank keeps); see recipes/emulation.py.
+        backward and free its gradient at once (what a ZeRO-3 rank keeps); see longdpo/model/emulation.py.
     memory_cap_gb (float, defaults to None): cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction),
         e.g. 80 to emulate an 80 GB H100 on a larger GPU.
     padding_mask (str, defaults to "auto"): `auto` runs right-padded batches without an attention mask, where causal
         attention already keeps every real token from the padding after it (the same loss and gradients, on the
-        fast causal kernel; recipes/padding_mask.py); `keep` passes TRL's padding mask to the model.
+        fast causal kernel; longdpo/model/padding_mask.py); `keep` passes TRL's padding mask to the model.
     """
 
     checkpointing: str = "layer"
@@ -185,7 +185,7 @@ class MemoryArgs:
 
 @dataclass
 class ParallelismArgs:
-    """How each pair is spread over the GPUs (recipes/sequence_parallel.py).
+    """How each pair is spread over the GPUs (longdpo/model/sequence_parallel.py).
 
     sp_size (int, defaults to 1): sequence parallelism (DeepSpeed Ulysses). Each chosen/rejected sequence is split
         over this many ranks; attention exchanges heads for sequence all-to-all. The remaining
@@ -197,7 +197,7 @@ class ParallelismArgs:
 
 @dataclass
 class RunArgs:
-    """How a long run survives the cluster (recipes/resilience.py).
+    """How a long run survives the cluster (longdpo/cluster/resilience.py).
 
     save_on_signals (list[str], defaults to [SIGUSR1, SIGTERM]): signals that save a checkpoint at the next step
         boundary (every rank at the same step) and exit with status 75; `[]` leaves the signals' default actions.

@@ -181,7 +181,7 @@ def loss_and_grads(
     drop_mask: bool = False,
 ):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1).
-    `drop_mask`: right padding's attention mask dropped (recipes/padding_mask.py) on both."""
+    `drop_mask`: right padding's attention mask dropped (longdpo/model/padding_mask.py) on both."""
     from trl.trainer.utils import add_fused_lm_head
 
     from longdpo.model import padding_mask

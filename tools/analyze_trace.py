@@ -17,7 +17,7 @@ import json
 import sys
 from collections import defaultdict
 
-PREFIX = "recipes:"  # recipes/profiling.py's labels
+PREFIX = "recipes:"  # longdpo/training/profiling.py's labels
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
@@ -112,7 +112,7 @@ def render(rows: dict, top: int = 3) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="a profile_step<N>.trace.json.gz written by recipes/profiling.py")
+    p.add_argument("trace", help="a profile_step<N>.trace.json.gz written by longdpo/training/profiling.py")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
     try:

@@ -326,7 +326,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--workloads",
         default="equal",
-        help=f"comma-separated pair shapes, from {', '.join(WORKLOADS)} (recipes/data.py WORKLOADS)",
+        help=f"comma-separated pair shapes, from {', '.join(WORKLOADS)} (longdpo/data.py WORKLOADS)",
     )
     p.add_argument(
         "--prompt-tokens",
@@ -360,7 +360,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--profile",
         action="store_true",
-        help="profile the last step (not timed) and write where its time went (recipes/profiling.py) to "
+        help="profile the last step (not timed) and write where its time went (longdpo/training/profiling.py) to "
         "results.json and profiles/<config>_<tokens>.md, its whole trace to profiles/<config>_<tokens>"
         ".trace.json.gz",
     )

@@ -1,6 +1,6 @@
 """GPU probe of the two kernels that hold the peak once activations are lean, at the 12B model's sizes.
 
-1. TRL's fused LM-head backward vs the lean one (recipes/lean_lm_head.py): peak memory the backward adds on top of
+1. TRL's fused LM-head backward vs the lean one (longdpo/model/lean_lm_head.py): peak memory the backward adds on top of
    its inputs, its time, and how far the lean gradients are from TRL's.
 2. Causal SDPA forward + backward with grouped-query attention (32 query / 8 key-value heads, head_dim 128), as
    transformers calls it (enable_gqa, no mask), per SDPA backend: peak above the inputs and time.

@@ -61,7 +61,7 @@ def build_byte_tokenizer(kind: str = "byte"):
     """A byte-level tokenizer built in code (no download): one token per UTF-8 byte, plus special tokens; `kind`
     picks the special tokens and chat template (BYTE_TOKENIZERS: generic, or a family's real template).
 
-    One byte = one token makes exact-length synthetic pairs trivial (recipes/data.py)."""
+    One byte = one token makes exact-length synthetic pairs trivial (longdpo/data.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode

@@ -187,7 +187,7 @@ def apply_memory_patches(
     model: torch.nn.Module, policy: str, tiled_mlp: int = 0, mlp_chunks: int = 0, lean_norm: bool = False, label=None
 ) -> dict[str, int]:
     """Wrap the policy model's module forwards for `policy` (tile or chunk its MLPs, make its norms lean).
-    `label(model)`, if given, runs after the norms are made lean and before any wrapper (recipes/profiling.py).
+    `label(model)`, if given, runs after the norms are made lean and before any wrapper (longdpo/training/profiling.py).
     Returns what was wrapped."""
     check_policy(policy)
     check_mlp_split(tiled_mlp, mlp_chunks)

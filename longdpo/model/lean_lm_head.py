@@ -41,7 +41,7 @@ class HookSafeLogProb(trl_kernel.ChunkedLogProbFunction):
         ctx.head_params = (weight, bias)
         save = ctx.save_for_backward  # TRL's forward saves (hidden, weight, bias, targets, log_z, entropy)
         ctx.save_for_backward = lambda h, _weight, _bias, *rest: save(h, None, None, *rest)
-        with torch.profiler.record_function("recipes:forward:lm_head"):  # recipes/profiling.py's row
+        with torch.profiler.record_function("recipes:forward:lm_head"):  # longdpo/training/profiling.py's row
             return trl_kernel.ChunkedLogProbFunction.forward(ctx, hidden, weight, bias, *args)
 
     @staticmethod

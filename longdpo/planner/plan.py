@@ -97,7 +97,7 @@ class Plan:
     gpu_memory_gb: float | None = None
     host_memory_gb: float | None = None  # per node
     suggestions: list = field(default_factory=list)  # (change, predicted reserved GB, host GB per node)
-    checkpoint_gb: float | None = None  # one checkpoint on disk (recipes/resilience.py)
+    checkpoint_gb: float | None = None  # one checkpoint on disk (longdpo/cluster/resilience.py)
     checkpoints_kept: int = 0
 
     def limits(self):

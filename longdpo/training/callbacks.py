@@ -1,7 +1,7 @@
 """The memory `TrainerCallback`: allocator settings before CUDA, cache emptying on boundaries, per-step telemetry.
 
 Construct it at the top of the entrypoint, before the model (or anything that touches CUDA) exists: its
-constructor applies `memory.allocator_conf` (recipes/allocator.py) and records which setting won.
+constructor applies `memory.allocator_conf` (longdpo/model/allocator.py) and records which setting won.
 
 Per optimizer step, on every rank, it measures peak allocated / peak reserved / fragmentation gap (reserved -
 allocated at peak) / allocator retries and OOMs / host RSS and pinned host memory / step time / real (unpadded)
@@ -207,7 +207,7 @@ class MemoryCallback(TrainerCallback):
         return {k: round(v, 4) for k, v in zip(keys, values)}
 
     def _offloaded(self) -> dict:
-        """What activation offloading copied to the host this step (recipes/offloading.py), on this rank."""
+        """What activation offloading copied to the host this step (longdpo/model/offloading.py), on this rank."""
         if self.offload_ledger is None:
             return {}
         sent, param_shaped = self.offload_ledger.take()

@@ -63,7 +63,7 @@ class Run:
     weight_gb: float = 47.0  # expected peak reserved (GB), for scheduling only: 1 layer on ZeRO-3 measured 45-48
     compare: bool = True  # same model and data as `stock`: its step-1 gradient norm must match
     planned: bool = True  # the planner's prediction is held to 10% (LoRA's is reported, not yet calibrated)
-    workload: str = "equal"  # the pairs' shape (recipes/data.py WORKLOADS)
+    workload: str = "equal"  # the pairs' shape (longdpo/data.py WORKLOADS)
 
     @property
     def offloads(self) -> bool:
@@ -394,8 +394,8 @@ def test_lean_norm_matches_stock_on_gpu():
 
 
 def test_our_levers_wrap_ligers_kernels_on_gpu():
-    """Liger applied before our patches (recipes/liger.py): MLP chunks split Liger's SwiGLU, the lean norm replaces
-    Liger's RMSNorm, and the loss and every gradient equal the Liger-only model's (bf16)."""
+    """Liger applied before our patches (longdpo/model/liger.py): MLP chunks split Liger's SwiGLU, the lean norm
+    replaces Liger's RMSNorm, and the loss and every gradient equal the Liger-only model's (bf16)."""
     from longdpo.config import ModelArgs
     from longdpo.model import liger
     from longdpo.model.build import build_model

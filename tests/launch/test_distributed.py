@@ -1,5 +1,5 @@
-"""recipes/distributed.py: no DeepSpeed shared-memory op on CPU, a timed-out job leaves no process behind, a stale
-build lock is named at start."""
+"""Processes: no DeepSpeed shared-memory op on CPU (longdpo/patches.py), a timed-out job leaves no process behind, a
+stale build lock is named at start (longdpo/cluster/distributed.py)."""
 
 import os
 import time

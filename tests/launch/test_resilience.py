@@ -1,5 +1,5 @@
 """Long runs survive the cluster: save on a signal and resume the same curve, skip half-written checkpoints, check
-the disk before loading anything, stop on a non-finite loss (recipes/resilience.py)."""
+the disk before loading anything, stop on a non-finite loss (longdpo/cluster/resilience.py)."""
 
 import json
 import math

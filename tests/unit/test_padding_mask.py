@@ -1,4 +1,4 @@
-"""Right-padded pairs run without an attention mask (recipes/padding_mask.py): on pairs whose chosen and rejected
+"""Right-padded pairs run without an attention mask (longdpo/model/padding_mask.py): on pairs whose chosen and rejected
 differ in length, the loss, TRL's metrics and every gradient equal the masked path's, on every supported family;
 the attention really gets no mask; a batch that needs its mask keeps it."""
 
