@@ -13,7 +13,7 @@ import os
 
 from longdpo.config import Recipe, RecipeError, resolve_path, trainer_default
 from longdpo.data import check_data_args
-from longdpo.model import allocator, liger, padding_mask
+from longdpo.model import allocator, liger, padding_mask, shared_prompt
 from longdpo.model.build import check_model_args
 from longdpo.model.checkpointing import check_mlp_split, check_policy
 from longdpo.model.lora import check_lora_args
@@ -136,6 +136,8 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
     with problems.check():
         padding_mask.check(mem.padding_mask)
+    with problems.check():
+        shared_prompt.check(recipe.data.shared_prompt, recipe.parallelism.sp_size, bool(t.get("padding_free")))
     for key in (
         "tiled_mlp",
         "mlp_chunks",

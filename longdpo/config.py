@@ -114,6 +114,9 @@ class DataArgs:
         `{name: org/dataset, config, split, fraction, columns, test_split}` or `{files: [...], fraction, columns}`;
         the first `fraction` (in (0, 1]) of each source's rows, concatenated and shuffled (seed 42); the
         `test_split`s, whole, are the evaluation set.
+    shared_prompt (bool, defaults to false): train each pair as one sequence [prompt, chosen, rejected], the prompt
+        computed once for the policy and the reference (the same loss and gradients; longdpo/model/shared_prompt.py).
+        Saves most where the prompt is most of the pair (long documents, long conversations).
     """
 
     train_files: list[str] = field(default_factory=list)
@@ -127,6 +130,7 @@ class DataArgs:
     eval_split: str | None = None
     columns: dict | None = None
     mixture: list[dict] | None = None
+    shared_prompt: bool = False
 
 
 @dataclass

@@ -179,12 +179,14 @@ def loss_and_grads(
     lean: bool = False,
     reentrant: bool = False,
     drop_mask: bool = False,
+    shared: bool = False,
 ):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1).
-    `drop_mask`: right padding's attention mask dropped (longdpo/model/padding_mask.py) on both."""
+    `drop_mask`: right padding's attention mask dropped (longdpo/model/padding_mask.py) on both; `shared`: each
+    pair's prompt computed once (longdpo/model/shared_prompt.py) on both."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from longdpo.model import padding_mask
+    from longdpo.model import padding_mask, shared_prompt
     from longdpo.model.build import build_model
     from longdpo.model.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
 
@@ -199,6 +201,10 @@ def loss_and_grads(
     if drop_mask:
         padding_mask.install(model)
         padding_mask.install(trainer.ref_model)
+    if shared:
+        for m in (model, trainer.ref_model):
+            shared_prompt.use_shared_attention(m)
+            shared_prompt.wrap(m)
     model.train()
     trainer.model = model
     loss = trainer.compute_loss(model, inputs)

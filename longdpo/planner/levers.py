@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 BENCH_RECIPE = "recipes/nemotron12b/dpo_12k.yaml"  # the benchmark's default recipe (model, data, trainer settings)
-TRL_FLAGS = ("activation_offloading", "use_liger_kernel")  # top-level DPOConfig keys; the others are `memory.` keys
+TRL_FLAGS = ("activation_offloading", "use_liger_kernel")  # top-level DPOConfig keys
+DATA_FLAGS = ("shared_prompt",)  # `data.` keys; the others are `memory.` keys
 
 
 def add_setup_arguments(parser) -> None:
@@ -41,6 +42,7 @@ class Levers:
     padding_mask: str = "auto"
     activation_offloading: bool = False
     use_liger_kernel: bool = False
+    shared_prompt: bool = False
 
     def overrides(self) -> dict[str, str]:
         """As the entrypoint's command-line overrides (`--memory.mlp_chunks 8`, `--activation_offloading true`)."""
@@ -48,7 +50,10 @@ class Levers:
         def text(value) -> str:
             return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
-        return {(k if k in TRL_FLAGS else f"memory.{k}"): text(v) for k, v in asdict(self).items()}
+        def key(name: str) -> str:
+            return name if name in TRL_FLAGS else f"data.{name}" if name in DATA_FLAGS else f"memory.{name}"
+
+        return {key(k): text(v) for k, v in asdict(self).items()}
 
 
 OFFLOAD = Levers(activation_offloading=True)
@@ -103,3 +108,7 @@ for _n in (2, 3, 8):
     CONFIGS[f"layer+lean+liger+chunked{_n}+head+offload"] = replace(
         CONFIGS[f"layer+liger+chunked{_n}+head+offload"], lean_norm=True
     )
+# Each pair's prompt computed once, on our leanest Liger configuration and on the library-only setup's levers.
+CONFIGS["layer+liger+chunked8+head+offload+shared"] = replace(
+    CONFIGS["layer+liger+chunked8+head+offload"], shared_prompt=True
+)

@@ -239,6 +239,16 @@ class Run:
             padding_mask.install(ref_model)
         if self.is_main:
             logger.info(line)
+        if recipe.data.shared_prompt:
+            from longdpo.model import shared_prompt
+
+            for m in (model, ref_model):
+                shared_prompt.use_shared_attention(m)
+            if self.is_main:
+                logger.info(
+                    "attention: each pair's prompt computed once (data.shared_prompt): one sequence [prompt, chosen, "
+                    "rejected] per pair, PyTorch's SDPA in two calls"
+                )
         wrapped["lean_lm_head"] = int(memory.lean_lm_head)  # routed around training, in train()
         wrapped["liger"] = int(self.liger_config is not None)
         self.sp = None
@@ -270,6 +280,7 @@ class Run:
             memory_callback=self.memory_callback,
             guard=self.guard,
             sp=self.sp,
+            shared_prompt=recipe.data.shared_prompt,
             offload_pin_memory=recipe.memory.offload_pin_memory,
         )
         if recipe.model.use_peft and self.is_main:
@@ -386,6 +397,7 @@ class Run:
             "train_loss": self.result.training_loss,
             "world_size": args.world_size,
             "sequence_parallel": {"sp_size": self.recipe.parallelism.sp_size, "dp_size": self.dp_size},
+            "shared_prompt": self.recipe.data.shared_prompt,
             "length_report": self.report,
             "skipped_steps": [{"step": step, "quantity": quantity} for step, quantity in self.guard.skipped],
             "wrapped": self.wrapped,

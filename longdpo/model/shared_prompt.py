@@ -1,0 +1,177 @@
+"""Each pair's prompt computed once (`data.shared_prompt`): prefix-sharing DPO.
+
+TRL runs a pair as a batch of two rows, prompt + chosen and prompt + rejected, so the prompt goes through the policy
+and the reference twice. Here each pair is one row
+
+    [prompt P, chosen C, x, rejected R]      positions 0..|P|+|C|-1, then |P|-1, |P|..|P|+|R|-1
+
+where x is a copy of the prompt's last token at the prompt's last position. x and R attend to the prompt (all but its
+last token, which x stands in for) and to themselves, never to C: queries P+C run causal attention over P+C; queries
+x+R run over keys [P without its last token, x, R] with a lower-right causal bias. Every token then sees exactly the
+tokens and positions it sees in TRL's rows, so the hidden state of each of C's and R's tokens, and of the token before
+each, is the one TRL computes: x's hidden state is the prompt's last, the one that scores R's first token. (Without x
+that one position would have to score two labels, and TRL's fused LM head scores one per position.) The row costs
+|P| + |C| + |R| + 1 tokens instead of 2|P| + |C| + |R| plus padding.
+
+TRL's DPO code is left untouched: the policy's and the reference's forward (TRL's fused-LM-head forward) are wrapped.
+The wrapper builds the shared rows from TRL's batch (the labels say where each completion starts), runs the model once
+with `position_ids` and pre-shifted `shift_labels`, and puts every per-token output back where TRL's rows have it, zero
+where the label is -100 as TRL's head does. TRL computes the loss, the rewards and every metric on the same tensors as
+without sharing, for every loss type and `ld_alpha`.
+
+The attention is registered through transformers' attention interface (`NAME`); transformers builds no mask for it.
+Both calls are PyTorch's scaled_dot_product_attention: the first with `is_causal` (cuDNN or flash on Hopper), the
+second with `causal_lower_right` (flash or memory-efficient). Called without a layout (a model used outside DPO's
+forward), it is causal attention over the whole row, TRL's right-padded batch without its mask
+(longdpo/model/padding_mask.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+from longdpo.config import RecipeError
+
+NAME = "longdpo_shared_prompt"
+FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+# What TRL's DPO forward passes besides the batch; anything else (images, token types) is not a text-only pair.
+PASSED_THROUGH = {"use_cache", "output_router_logits"}
+
+
+def shared_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, shared_prompt=None, **kw):
+    """query (batch, heads, seq, dim), key/value (batch, kv_heads, seq, dim) -> (batch, seq, heads, dim)."""
+    if shared_prompt is None:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    groups = getattr(module, "num_key_value_groups", 1)
+    for row, (p, c, r, x) in enumerate(shared_prompt):
+        head, end = p + c, p + c + x + r
+        q, k, v = query[row : row + 1], key[row : row + 1], value[row : row + 1]
+        if head:
+            first, _ = sdpa_attention_forward(
+                module, q[:, :, :head], k[:, :, :head], v[:, :, :head], None, dropout, scaling, is_causal=True
+            )
+            out[row, :head] = first[0]
+        if end > head:
+            keys = torch.cat([k[:, :, : p - x], k[:, :, head:end]], dim=2)
+            values = torch.cat([v[:, :, : p - x], v[:, :, head:end]], dim=2)
+            second = F.scaled_dot_product_attention(
+                q[:, :, head:end],
+                repeat_kv(keys, groups),
+                repeat_kv(values, groups),
+                attn_mask=causal_lower_right(end - head, keys.shape[2]),
+                dropout_p=dropout,
+                scale=scaling,
+            )
+            out[row, head:end] = second[0].transpose(0, 1)
+    return out, None
+
+
+AttentionInterface.register(NAME, shared_attention)
+
+
+def check(shared: bool, sp_size: int, padding_free: bool) -> None:
+    if not isinstance(shared, bool):
+        raise RecipeError(f"`data.shared_prompt` must be true or false, got {shared!r}.")
+    if shared and sp_size > 1:
+        raise RecipeError(
+            "`data.shared_prompt: true` does not run under sequence parallelism yet: set `data.shared_prompt: false` "
+            "or `parallelism.sp_size: 1`."
+        )
+    if shared and padding_free:
+        raise RecipeError(
+            "`data.shared_prompt: true` builds its own rows from padded pairs: set `padding_free: false` or "
+            "`data.shared_prompt: false`."
+        )
+
+
+def layout(input_ids, attention_mask, labels):
+    """Per pair (prompt, chosen, rejected, x) lengths from TRL's batch [chosen rows..., rejected rows...]: each row is
+    prompt, completion, right padding (TRL's `flush_left`); labels are -100 except on the completion."""
+    real = attention_mask.sum(1) if attention_mask is not None else torch.full_like(input_ids[:, 0], input_ids.shape[1])
+    completion = (labels != -100).sum(1)
+    prompt = (real - completion).tolist()
+    completion = completion.tolist()
+    n = input_ids.shape[0] // 2
+    pairs = []
+    for i in range(n):
+        p = prompt[i]
+        if p != prompt[n + i] or not torch.equal(input_ids[i, :p], input_ids[n + i, :p]):
+            raise RuntimeError("shared_prompt: a pair's chosen and rejected rows do not start with the same prompt")
+        pairs.append((p, completion[i], completion[n + i], int(p > 0)))
+    return pairs
+
+
+def build_rows(input_ids, labels, pairs):
+    """The shared rows (ids, positions, shifted labels), right-padded to the longest."""
+    n = len(pairs)
+    ids, positions, targets = [], [], []
+    for i, (p, c, r, x) in enumerate(pairs):
+        rej = n + i
+        ids.append(torch.cat([input_ids[i, : p + c], input_ids[rej, p - x : p + r]]))
+        positions.append(torch.cat([torch.arange(p + c), torch.arange(p - x, p + r)]))
+        stop = labels.new_full((1,), -100)
+        chosen_targets = torch.cat([labels[i, 1 : p + c], stop]) if p + c else labels[i, :0]
+        rejected_targets = torch.cat([labels[rej, p - x + 1 : p + r], stop]) if x + r else labels[rej, :0]
+        targets.append(torch.cat([chosen_targets, rejected_targets]))
+    width = max(len(t) for t in ids)
+
+    def stack(rows, value):
+        return torch.stack([F.pad(t, (0, width - len(t)), value=value) for t in rows])
+
+    device = input_ids.device
+    return stack(ids, 0), stack(positions, 0).to(device), stack(targets, -100)
+
+
+def scatter_back(shared: torch.Tensor | None, pairs, length: int) -> torch.Tensor | None:
+    """Per-token outputs of the shared rows at the places TRL's rows (chosen..., rejected...) have them, length - 1
+    positions each (position t scores token t + 1), zero elsewhere."""
+    if shared is None:
+        return None
+    n = len(pairs)
+    out = shared.new_zeros(2 * n, length - 1)
+    for i, (p, c, r, x) in enumerate(pairs):
+        chosen, rejected = max(p + c - 1, 0), max(x + r - 1, 0)
+        out[i, :chosen] = shared[i, :chosen]
+        out[n + i, p - x : p - x + rejected] = shared[i, p + c : p + c + rejected]
+    return out
+
+
+def wrap(model: torch.nn.Module) -> None:
+    """Wrap `model.forward` (TRL's fused-LM-head forward; a DeepSpeed engine's module) to run each pair as one row."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    model = getattr(model, "module", model)
+    fused = model.forward
+
+    def shared_forward(*args, input_ids=None, attention_mask=None, labels=None, fused_lm_head=False, **kwargs):
+        if args or input_ids is None or labels is None or not fused_lm_head or set(kwargs) - PASSED_THROUGH:
+            raise RuntimeError(
+                "shared_prompt wraps TRL's DPO forward of text pairs "
+                f"(model(input_ids=..., labels=..., fused_lm_head=True)); got another call: {sorted(kwargs)}"
+            )
+        pairs = layout(input_ids, attention_mask, labels)
+        ids, positions, targets = build_rows(input_ids, labels, pairs)
+        out = fused(
+            input_ids=ids,
+            position_ids=positions,
+            shift_labels=targets,
+            fused_lm_head=True,
+            shared_prompt=pairs,
+            **kwargs,
+        )
+        fields = {f: scatter_back(getattr(out, f), pairs, input_ids.shape[1]) for f in FIELDS}
+        loss = -fields["log_probs"].sum() / fields["label_mask"].sum().clamp(min=1)
+        return FusedCausalLMOutput(loss=loss, aux_loss=out.aux_loss, **fields)
+
+    model.forward = shared_forward
+
+
+def use_shared_attention(model: torch.nn.Module | None) -> None:
+    """Route the model's attention through `shared_attention` (before the trainer wraps it)."""
+    if model is not None:
+        model.set_attn_implementation(NAME)

@@ -1,0 +1,137 @@
+"""Each pair's prompt computed once (longdpo/model/shared_prompt.py): on every supported family, float32, the loss,
+TRL's metrics and every parameter gradient equal TRL's two-row path, on pairs whose completions differ in length,
+with prompts of one token, and under the memory levers."""
+
+import pytest
+import torch
+from conftest import loss_and_grads
+from test_padding_mask import metrics_after
+
+from longdpo.model import shared_prompt
+
+
+def assert_same(dpo_batch, atol=1e-6, **levers):
+    base_loss, base_grads, base_metrics = metrics_after(dpo_batch, **levers)
+    loss, grads, metrics = metrics_after(dpo_batch, shared=True, **levers)
+    assert torch.allclose(loss, base_loss, atol=atol), (loss, base_loss)
+    assert metrics.keys() == base_metrics.keys() and "rewards/margins" in metrics
+    for key, value in base_metrics.items():  # rewards, log-probs, mean logits, entropy, accuracy, token count
+        assert metrics[key] == pytest.approx(value, rel=atol, abs=atol), key
+    for name, g in grads.items():
+        assert g.abs().max() > 0 or base_grads[name].abs().max() == 0, name
+        assert torch.allclose(g, base_grads[name], atol=atol), (name, (g - base_grads[name]).abs().max())
+
+
+def test_shared_rows_give_the_two_row_loss_metrics_and_gradients(dpo_batch):
+    _, inputs, _ = dpo_batch
+    lengths = inputs["attention_mask"].sum(1)
+    assert (lengths.chunk(2)[0] != lengths.chunk(2)[1]).all()  # unequal completions
+    assert_same(dpo_batch)
+
+
+def test_the_model_sees_one_row_per_pair_with_the_prompt_once(dpo_batch):
+    """The embedding sees n rows of |P|+|C|+|R|+1 tokens (padded to the longest), and attention gets their layout."""
+    trainer, inputs, _ = dpo_batch
+    seen, layouts = [], []
+    real = shared_prompt.shared_attention
+
+    def spy(*args, shared_prompt=None, **kwargs):
+        layouts.append(shared_prompt)
+        return real(*args, shared_prompt=shared_prompt, **kwargs)
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(shared_prompt.NAME, spy)
+    try:
+        from longdpo.model.build import build_model
+
+        model = build_model(dpo_batch[2])
+        model.model.embed_tokens.register_forward_hook(lambda m, a, out: seen.append(a[0].shape))
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model)
+        shared_prompt.use_shared_attention(model)
+        shared_prompt.wrap(model)
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+        with torch.no_grad():
+            model(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                labels=labels,
+                fused_lm_head=True,
+            )
+    finally:
+        AttentionInterface.register(shared_prompt.NAME, real)
+    pairs = shared_prompt.layout(inputs["input_ids"], inputs["attention_mask"], labels)
+    assert seen == [torch.Size([len(pairs), max(p + c + r + x for p, c, r, x in pairs)])]
+    assert layouts and all(layout == pairs for layout in layouts)
+    real_tokens = inputs["attention_mask"].sum().item()
+    prompts = sum(p for p, _, _, _ in pairs)
+    assert sum(p + c + r + x for p, c, r, x in pairs) == real_tokens - prompts + len(pairs)
+
+
+@pytest.mark.parametrize(
+    "policy, levers",
+    [("layer", {}), ("layer+norm_attn_mlp", {"lean": True}), ("layer+norm_attn", {"chunks": 3}), ("attn_mlp", {})],
+)
+def test_with_the_memory_levers(dpo_batch, policy, levers):
+    """Checkpointing recomputes the shared attention in backward with the same layout; chunked MLPs reorder sums."""
+    base_loss, base_grads = loss_and_grads(dpo_batch, policy, **levers)[1:3]
+    loss, grads = loss_and_grads(dpo_batch, policy, shared=True, **levers)[1:3]
+    atol = 1e-5 if levers.get("chunks") else 1e-6
+    assert torch.allclose(loss, base_loss, atol=atol)
+    for name, g in grads.items():
+        assert torch.allclose(g, base_grads[name], atol=atol), (name, (g - base_grads[name]).abs().max())
+
+
+@pytest.fixture(scope="module")
+def short_prompt_batch(family):
+    """Pairs whose prompt is one token, and one whose completions max_length cuts."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from longdpo.model.build import build_byte_tokenizer, build_model
+
+    tokenizer = build_byte_tokenizer(family.tokenizer)
+    one = tokenizer.decode(tokenizer("Q", add_special_tokens=False)["input_ids"][:1])
+    rows = [
+        {"prompt": one, "chosen": " the answer is four", "rejected": " five"},
+        {"prompt": one, "chosen": " yes", "rejected": " no, it is not so at all"},
+        {"prompt": "A long prompt " * 5, "chosen": " cut after a few words", "rejected": " cut too, after a few"},
+    ]
+    args = DPOConfig(
+        output_dir="/tmp/unused",
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=3,
+        max_length=80,
+        activation_checkpointing=False,
+        dataloader_pin_memory=False,
+    )
+    trainer = DPOTrainer(
+        model=build_model(family),
+        ref_model=build_model(family),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader()))), family
+
+
+def test_one_token_prompts_and_cut_completions(short_prompt_batch):
+    trainer, inputs, _ = short_prompt_batch
+    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    pairs = shared_prompt.layout(inputs["input_ids"], inputs["attention_mask"], labels)
+    assert min(p for p, *_ in pairs) <= 2  # a one-token prompt (and the BOS some families add)
+    assert any(p + max(c, r) == 80 for p, c, r, _ in pairs) and any(c != r for _, c, r, _ in pairs), pairs
+    assert_same(short_prompt_batch)
+
+
+def test_bad_settings_are_one_clear_line():
+    with pytest.raises(Exception, match="`data.shared_prompt` must be true or false"):
+        shared_prompt.check("yes", 1, False)
+    with pytest.raises(Exception, match="set `data.shared_prompt: false` or `parallelism.sp_size: 1`"):
+        shared_prompt.check(True, 2, False)
+    with pytest.raises(Exception, match="set `padding_free: false`"):
+        shared_prompt.check(True, 1, True)
+    shared_prompt.check(False, 2, True)
