@@ -78,11 +78,13 @@ class Setup:
     offload_pinned: bool = True  # pinned host blocks are rounded up to a power of two; pageable ones are not
     lora_params: int = 0  # LoRA: trainable adapter parameters (0: full fine-tuning)
     model_type: str = "mistral"
+    pair_tokens: int | None = None  # data.shared_prompt: one row per pair, prompt + chosen + rejected + 1
 
     @property
     def tokens(self) -> int:
-        """Tokens whose activations this rank holds: the chosen + rejected sequences, or its 1/sp shard of them."""
-        return 2 * self.seq * self.batch // self.sp
+        """Tokens whose activations this rank holds: the chosen + rejected sequences (or the one shared row), or its
+        1/sp shard of them."""
+        return (self.pair_tokens or 2 * self.seq) * self.batch // self.sp
 
 
 @dataclass
@@ -348,7 +350,19 @@ def setup_from_recipe(
         offload_pinned=mem.offload_pin_memory,
         lora_params=lora_params,
         model_type=getattr(arch, "model_type", "mistral"),
+        pair_tokens=shared_pair_tokens(recipe, planned_length(recipe, seq)),
     )
+
+
+def shared_pair_tokens(recipe: Recipe, seq: int) -> int | None:
+    """With `data.shared_prompt`, the tokens of one pair's shared row: synthetic pairs say their prompt; for other
+    data the prompt's length is not known before tokenizing, so the plan keeps TRL's two rows (an upper bound)."""
+    spec = recipe.data.synthetic
+    if not recipe.data.shared_prompt or not spec:
+        return None
+    prompt = spec["prompt_tokens"]
+    chosen = seq - prompt
+    return seq + min(spec.get("rejected_tokens", chosen), chosen) + 1
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.

@@ -116,6 +116,20 @@ def test_every_lever_gives_the_same_curve(plain, tiny_model_dir, tmp_path):
     assert s["losses"] == pytest.approx(summary(plain)["losses"], abs=1e-5)
 
 
+def test_shared_prompt_gives_the_same_curve(plain, tiny_model_dir, tmp_path):
+    """Each pair's prompt computed once, the reference being the base with the adapters off through the same forward;
+    with the levers, and evaluated: the same curve, and the same evaluation loss as without sharing."""
+    evaluate = ["--data.eval_files", "recipes/data/arithmetic_preferences.jsonl", "--eval_strategy", "steps"]
+    evaluate += ["--eval_steps", "2", "--save_strategy", "no"]
+    base = [*LORA, *LEVERS, *evaluate, "--model.name_or_path", tiny_model_dir]
+    run_train(tmp_path / "shared", *base, "--data.shared_prompt", "true")
+    run_train(tmp_path / "rows", *base)
+    shared, rows = summary(tmp_path / "shared"), summary(tmp_path / "rows")
+    assert shared["shared_prompt"] and shared["losses"] == pytest.approx(summary(plain)["losses"], abs=1e-5)
+    evals = [[h["eval_loss"] for h in s["eval_logs"]] for s in (shared, rows)]
+    assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-5)
+
+
 def test_resume_continues_the_same_curve(plain, tiny_model_dir, tmp_path):
     shutil.copytree(plain / "checkpoint-2", tmp_path / "checkpoint-2")
     run_train(tmp_path, *LORA, "--model.name_or_path", tiny_model_dir, "--resume_from_checkpoint", "true")

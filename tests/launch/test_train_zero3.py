@@ -169,3 +169,21 @@ def test_precompute_ref_log_probs(tmp_path, launcher, procs, per_device):
     )
     losses = summary(tmp_path)["losses"]
     assert abs(losses[0] - math.log(2)) < 1e-4 and losses[1] < losses[0]
+
+
+def test_shared_prompt_on_two_ranks_equals_two_rows_on_one(ds1, ds2, tmp_path):
+    """Each pair's prompt computed once (data.shared_prompt), ZeRO-3 on 2 ranks with the levers, against TRL's two
+    rows on 1 rank; then resumed from the unshared run's checkpoint, it continues that curve. The float32 sums differ
+    only in order (other matmul shapes, the ranks' reduction): a few ulps of the loss, inside 1e-5."""
+    levers = ["--memory.checkpointing", "layer+norm_attn", "--memory.mlp_chunks", "2", "--memory.lean_lm_head", "true"]
+    shared = ["--data.shared_prompt", "true", "--per_device_train_batch_size", "2"]
+    run_train(tmp_path / "run", *STEPS, *shared, *levers, launcher="deepspeed", procs=2)
+    s = summary(tmp_path / "run")
+    assert s["shared_prompt"] and s["world_size"] == 2
+    assert s["losses"] == pytest.approx(summary(ds1)["losses"], abs=1e-5)
+    norms = [[h["grad_norm"] for h in x["train_logs"]] for x in (s, summary(ds1))]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(os.path.join(ds2, "checkpoint-2"), resumed / "checkpoint-2")
+    run_train(resumed, *STEPS, *shared, "--resume_from_checkpoint", "true", launcher="deepspeed", procs=2)
+    assert summary(resumed)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5)

@@ -56,6 +56,8 @@ def test_length_report_counts_truncated_and_dropped():
         "tokens_lost_share": round(6 / 29, 4),
         "dropped": 2,
         "max_length": 8,
+        # cut to 8: (3, 4, 2), (5, 1, 3), (2, 6, 1); two rows 2 x (7 + 8 + 8) = 46, shared 10 + 10 + 10 = 30
+        "shared_prompt_saves": round(1 - 30 / 46, 4),
     }
 
 
