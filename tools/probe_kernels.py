@@ -7,6 +7,9 @@
 3. One MLP (Liger's SwiGLU when liger-kernel is installed, else transformers' Mistral MLP) on a chosen/rejected pair:
    the forward alone, then in chunks each in its own checkpoint, split along the sequence or along the flattened
    tokens (as `memory.mlp_chunks` runs it), and those chunks' recompute + backward.
+4. Shared-prompt attention (longdpo/model/shared_prompt.py) on a long-prompt pair (prompt 90%, rejected 10% shorter
+   than chosen): TRL's two rows with `is_causal` against the one shared row's two calls, forward + backward time,
+   and how far the completions' outputs are from the two rows' (bf16).
     python tools/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
 """
 
@@ -74,6 +77,56 @@ def attention(seq: int, batch: int = 2, heads: int = 32, kv_heads: int = 8, dim:
     return {"seq": seq, "batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, **rows}
 
 
+def shared_attention(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
+    from types import SimpleNamespace
+
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from longdpo.model import shared_prompt
+
+    p = round(0.9 * seq)
+    c = seq - p
+    r = round(0.9 * c)
+    x = 1
+    torch.manual_seed(0)
+
+    def qkv(n, h):
+        return torch.randn(1, h, n, dim, device="cuda", dtype=torch.bfloat16)
+
+    prompt = [qkv(p, heads), qkv(p, kv_heads), qkv(p, kv_heads)]
+    chosen = [qkv(c, heads), qkv(c, kv_heads), qkv(c, kv_heads)]
+    rejected = [qkv(r, heads), qkv(r, kv_heads), qkv(r, kv_heads)]
+    # the two rows: [P, C] and [P, R] padded to P + C
+    rows = [
+        torch.cat([torch.cat([a, b], 2), torch.cat([a, d, torch.zeros_like(b[:, :, : c - r])], 2)]).requires_grad_()
+        for a, b, d in zip(prompt, chosen, rejected)
+    ]
+    # the shared row: [P, C, x, R], x = the prompt's last token
+    shared = [torch.cat([a, b, a[:, :, -1:], d], 2).requires_grad_() for a, b, d in zip(prompt, chosen, rejected)]
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=True)
+
+    def two_rows():
+        out = sdpa(*rows, is_causal=True, enable_gqa=True)
+        out.backward(torch.ones_like(out))
+        return out
+
+    def one_row():
+        out, _ = shared_prompt.shared_attention(module, *shared, None, shared_prompt=[(p, c, r, x)])
+        out.backward(torch.ones_like(out))
+        return out
+
+    result = {"seq": seq, "prompt": p, "chosen": c, "rejected": r}
+    result["two_rows_fwd_bwd_ms"] = _cuda_ms(two_rows)
+    result["shared_fwd_bwd_ms"] = _cuda_ms(one_row)
+    with torch.no_grad():
+        a = sdpa(*rows, is_causal=True, enable_gqa=True).transpose(1, 2)
+        b, _ = shared_prompt.shared_attention(module, *shared, None, shared_prompt=[(p, c, r, x)])
+    result["max_abs_diff_chosen"] = (a[0, : p + c] - b[0, : p + c]).float().abs().max().item()
+    result["max_abs_diff_rejected"] = (a[1, p - 1 : p + r] - b[0, p + c : p + c + x + r]).float().abs().max().item()
+    result["finite"] = bool(torch.isfinite(b).all())
+    return result
+
+
 def _cuda_ms(fn, repeat: int = 3) -> float:
     """Median wall time of fn() on the GPU, in ms, after one warm-up call."""
     fn()
@@ -138,6 +191,7 @@ def main(argv=None):
     p.add_argument("--attn-seq", type=int, default=None, help="also probe attention at this sequence length")
     p.add_argument("--mlp-seq", type=int, default=None, help="also probe one MLP at this sequence length (a pair)")
     p.add_argument("--mlp-chunks", type=int, default=3)
+    p.add_argument("--shared-seq", type=int, default=None, help="probe shared-prompt attention at these tokens")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -170,6 +224,9 @@ def main(argv=None):
     if args.mlp_seq:
         torch.cuda.empty_cache()
         out["mlp"] = mlp(args.mlp_seq, args.mlp_chunks)
+    if args.shared_seq:
+        torch.cuda.empty_cache()
+        out["shared_attention"] = shared_attention(args.shared_seq)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
