@@ -208,8 +208,8 @@ def add_mfu(result: dict, environment: dict, row_setup) -> None:
     from longdpo.planner.plan import model_flops_per_step
 
     rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
-    if result.get("workload", "equal") != "equal":  # the FLOP count assumes two full-length sequences
-        rate = None
+    if result.get("workload", "equal") != "equal" or CONFIGS[result["config"]].shared_prompt:
+        rate = None  # the FLOP count assumes two full-length sequences
     setup, attn_width = row_setup
     result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width) / 1e12, 2)
     result["mfu"] = round(result["model_tflops_per_step"] / (step * rate), 4) if rate and step else None

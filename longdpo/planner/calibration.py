@@ -86,8 +86,9 @@ def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.js
         if "merged_from" in data["environment"]:  # bench_memory.py --merge: copies of rows already read
             continue
         for row in data["results"]:
-            # the planner plans two sequences of max_length: it is fitted on pairs of that shape only
-            if row.get("peak_allocated_gb") is not None and row.get("workload", "equal") == "equal":
+            # the planner plans two sequences of max_length: it is fitted on pairs of that shape only, run as two rows
+            shared = row["config"] in CONFIGS and CONFIGS[row["config"]].shared_prompt
+            if row.get("peak_allocated_gb") is not None and row.get("workload", "equal") == "equal" and not shared:
                 yield data["environment"], row, os.path.relpath(path, ROOT)
     if os.path.exists(ACCEPTANCE_RUNS):
         with open(ACCEPTANCE_RUNS) as f:
