@@ -208,7 +208,7 @@ def add_mfu(result: dict, environment: dict, row_setup) -> None:
     from longdpo.planner.plan import model_flops_per_step
 
     rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
-    if result.get("workload", "equal") != "equal" or CONFIGS[result["config"]].shared_prompt:
+    if result.get("workload", "equal") != "equal" or getattr(CONFIGS.get(result.get("config")), "shared_prompt", False):
         rate = None  # the FLOP count assumes two full-length sequences
     setup, attn_width = row_setup
     result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width) / 1e12, 2)
