@@ -147,17 +147,23 @@ def family(request):
 @pytest.fixture(scope="module")
 def dpo_batch(family):
     """One real TRL DPO batch (chosen + rejected, padded, with completion mask) from the shipped data."""
+    from longdpo.data import load_preferences
+
+    return make_dpo_batch(family, load_preferences(["recipes/data/arithmetic_preferences.jsonl"]), 4, 128)
+
+
+def make_dpo_batch(family, dataset, batch_size: int, max_length: int):
+    """(trainer, its first prepared batch, family) for TRL's DPOTrainer on `dataset`, float32, no checkpointing."""
     from trl import DPOConfig, DPOTrainer
 
-    from longdpo.data import load_preferences
     from longdpo.model.build import build_byte_tokenizer, build_model
 
     args = DPOConfig(
         output_dir="/tmp/unused",
         report_to="none",
         bf16=False,
-        per_device_train_batch_size=4,
-        max_length=128,
+        per_device_train_batch_size=batch_size,
+        max_length=max_length,
         activation_checkpointing=False,
         dataloader_pin_memory=False,
     )
@@ -165,7 +171,7 @@ def dpo_batch(family):
         model=build_model(family),
         ref_model=build_model(family),
         args=args,
-        train_dataset=load_preferences(["recipes/data/arithmetic_preferences.jsonl"]),
+        train_dataset=dataset,
         processing_class=build_byte_tokenizer(family.tokenizer),
     )
     return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader()))), family

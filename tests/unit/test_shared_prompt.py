@@ -87,10 +87,10 @@ def test_with_the_memory_levers(dpo_batch, policy, levers):
 @pytest.fixture(scope="module")
 def short_prompt_batch(family):
     """Pairs whose prompt is one token, and one whose completions max_length cuts."""
+    from conftest import make_dpo_batch
     from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
 
-    from longdpo.model.build import build_byte_tokenizer, build_model
+    from longdpo.model.build import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer(family.tokenizer)
     one = tokenizer.decode(tokenizer("Q", add_special_tokens=False)["input_ids"][:1])
@@ -99,23 +99,7 @@ def short_prompt_batch(family):
         {"prompt": one, "chosen": " yes", "rejected": " no, it is not so at all"},
         {"prompt": "A long prompt " * 5, "chosen": " cut after a few words", "rejected": " cut too, after a few"},
     ]
-    args = DPOConfig(
-        output_dir="/tmp/unused",
-        report_to="none",
-        bf16=False,
-        per_device_train_batch_size=3,
-        max_length=80,
-        activation_checkpointing=False,
-        dataloader_pin_memory=False,
-    )
-    trainer = DPOTrainer(
-        model=build_model(family),
-        ref_model=build_model(family),
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-    )
-    return trainer, trainer._prepare_inputs(next(iter(trainer.get_train_dataloader()))), family
+    return make_dpo_batch(family, Dataset.from_list(rows), 3, 80)
 
 
 def test_one_token_prompts_and_cut_completions(short_prompt_batch):
