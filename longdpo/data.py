@@ -424,15 +424,13 @@ def length_report(tokenized, n_raw: int, max_length: int | None) -> dict:
     """Tokens per sequence (prompt + longer completion) after TRL's tokenization, what max_length cuts, and the share
     of the tokens TRL's two rows per pair (2 x (prompt + longer completion)) that one shared row per pair
     (prompt + chosen + rejected + 1; `data.shared_prompt`) does without."""
-    lengths = sorted(
-        len(p) + max(len(c), len(r))
-        for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"])
-    )
-    two_rows = shared = 0
+    lengths, two_rows, shared = [], 0, 0
     for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"]):
-        p = min(len(p), max_length or len(p))
+        lengths.append(len(p) + max(len(c), len(r)))
+        p = min(len(p), max_length or len(p))  # as TRL's collator cuts the row
         c, r = (min(len(x), max_length - p) if max_length else len(x) for x in (c, r))
         two_rows, shared = two_rows + 2 * (p + max(c, r)), shared + p + c + r + 1
+    lengths.sort()
     if not lengths:
         raise RecipeError(
             f"All {n_raw} pairs were dropped: every prompt is at least `max_length` ({max_length}) tokens. "
