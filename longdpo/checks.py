@@ -137,7 +137,13 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     with problems.check():
         padding_mask.check(mem.padding_mask)
     with problems.check():
-        shared_prompt.check(recipe.data.shared_prompt, recipe.parallelism.sp_size, bool(t.get("padding_free")))
+        shared_prompt.check(
+            recipe.data.shared_prompt,
+            recipe.data.shared_prompt_min_saving,
+            recipe.parallelism.sp_size,
+            bool(t.get("padding_free")),
+            mem.padding_mask,
+        )
     for key in (
         "tiled_mlp",
         "mlp_chunks",

@@ -117,6 +117,9 @@ class DataArgs:
     shared_prompt (bool, defaults to false): train each pair as one sequence [prompt, chosen, rejected], the prompt
         computed once for the policy and the reference (the same loss and gradients; longdpo/model/shared_prompt.py).
         Saves most where the prompt is most of the pair (long documents, long conversations).
+    shared_prompt_min_saving (float, defaults to 0.2): with `shared_prompt`, a batch runs shared only when that
+        saves at least this share of the tokens of TRL's two rows per pair (about half the prompt's share of the
+        pair); other batches run as TRL's rows. Where the prompt is short, sharing costs more time than it saves.
     """
 
     train_files: list[str] = field(default_factory=list)
@@ -131,6 +134,7 @@ class DataArgs:
     columns: dict | None = None
     mixture: list[dict] | None = None
     shared_prompt: bool = False
+    shared_prompt_min_saving: float = 0.2
 
 
 @dataclass

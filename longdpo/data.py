@@ -488,16 +488,21 @@ def synthetic_pairs(
 # The shapes of preference data the benchmarks run, for a sequence (prompt + the longer completion) of L tokens:
 #   equal        prompt min(1024, L/4), both completions the rest (the shape of every figure before these existed)
 #   unequal      the same prompt, the rejected completion 10% shorter than the chosen (real pairs differ in length)
+#   half-prompt  prompt 50% of L, completions as unequal's (between the two; where sharing the prompt starts to pay)
 #   long-prompt  prompt 90% of L (a long document or conversation), the chosen completion the other 10%, the
 #                rejected one 10% shorter than that
-WORKLOADS = ("equal", "unequal", "long-prompt")
+WORKLOADS = ("equal", "unequal", "half-prompt", "long-prompt")
+PROMPT_SHARE = {"half-prompt": 0.5, "long-prompt": 0.9}
 
 
 def workload(name: str, seq_tokens: int, pairs: int, prompt_tokens: int = 1024) -> dict:
     """`data.synthetic` for a named workload (`prompt_tokens`: the short prompt of equal / unequal)."""
     if name not in WORKLOADS:
         raise RecipeError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}.")
-    prompt = round(0.9 * seq_tokens) if name == "long-prompt" else max(1, min(prompt_tokens, seq_tokens // 4))
+    if name in PROMPT_SHARE:
+        prompt = round(PROMPT_SHARE[name] * seq_tokens)
+    else:
+        prompt = max(1, min(prompt_tokens, seq_tokens // 4))
     chosen = seq_tokens - prompt
     spec = {"pairs": pairs, "seq_tokens": seq_tokens, "prompt_tokens": prompt}
     if name != "equal":

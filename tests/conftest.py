@@ -186,10 +186,11 @@ def loss_and_grads(
     reentrant: bool = False,
     drop_mask: bool = False,
     shared: bool = False,
+    min_saving: float = 0.0,
 ):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1).
     `drop_mask`: right padding's attention mask dropped (longdpo/model/padding_mask.py) on both; `shared`: each
-    pair's prompt computed once (longdpo/model/shared_prompt.py) on both."""
+    pair's prompt computed once (longdpo/model/shared_prompt.py) on both, for batches saving `min_saving`."""
     from trl.trainer.utils import add_fused_lm_head
 
     from longdpo.model import padding_mask, shared_prompt
@@ -210,7 +211,7 @@ def loss_and_grads(
     if shared:
         for m in (model, trainer.ref_model):
             shared_prompt.use_shared_attention(m)
-            shared_prompt.wrap(m)
+            shared_prompt.wrap(m, min_saving)
     model.train()
     trainer.model = model
     loss = trainer.compute_loss(model, inputs)

@@ -13,6 +13,13 @@ each, is the one TRL computes: x's hidden state is the prompt's last, the one th
 that one position would have to score two labels, and TRL's fused LM head scores one per position.) The row costs
 |P| + |C| + |R| + 1 tokens instead of 2|P| + |C| + |R| plus padding.
 
+Sharing pays where the prompt is a large part of the pair; where it is short, the rejected part's attention call
+(lower-right causal, which cuDNN's causal kernel does not take) costs more than the prompt tokens saved: on one H100
+at 32k tokens, a batch that saved 2% of the tokens ran 17% slower, one that saved 45% ran 1.65x faster
+(docs/BENCHMARKS.md). So a batch runs shared only when its shared rows are at least `min_saving`
+(`data.shared_prompt_min_saving`) fewer tokens than TRL's rows; other batches run as TRL's rows without a mask (the
+same arithmetic either way).
+
 TRL's DPO code is left untouched: the policy's and the reference's forward (TRL's fused-LM-head forward) are wrapped.
 The wrapper builds the shared rows from TRL's batch (the labels say where each completion starts), runs the model once
 with `position_ids` and pre-shifted `shift_labels`, and puts every per-token output back where TRL's rows have it, zero
@@ -74,9 +81,18 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register(NAME, shared_attention)
 
 
-def check(shared: bool, sp_size: int, padding_free: bool) -> None:
+def check(shared: bool, min_saving, sp_size: int, padding_free: bool, padding_mask: str) -> None:
     if not isinstance(shared, bool):
         raise RecipeError(f"`data.shared_prompt` must be true or false, got {shared!r}.")
+    if isinstance(min_saving, bool) or not isinstance(min_saving, (int, float)) or not 0 <= min_saving < 1:
+        raise RecipeError(
+            f"`data.shared_prompt_min_saving` must be a fraction in [0, 1) (e.g. 0.2), got {min_saving!r}."
+        )
+    if shared and padding_mask == "keep":
+        raise RecipeError(
+            "`data.shared_prompt: true` runs attention without TRL's padding mask (the shared rows need none): set "
+            "`memory.padding_mask: auto` or `data.shared_prompt: false`."
+        )
     if shared and sp_size > 1:
         raise RecipeError(
             "`data.shared_prompt: true` does not run under sequence parallelism yet: set `data.shared_prompt: false` "
@@ -104,6 +120,13 @@ def layout(input_ids, attention_mask, labels):
             raise RuntimeError("shared_prompt: a pair's chosen and rejected rows do not start with the same prompt")
         pairs.append((p, completion[i], completion[n + i], int(p > 0)))
     return pairs
+
+
+def saving(pairs, length: int) -> float:
+    """The share of the tokens of TRL's rows (2 per pair, `length` each) that the shared rows (one per pair, padded to
+    the longest) do without."""
+    width = max(p + c + x + r for p, c, r, x in pairs)
+    return 1 - width / (2 * length)
 
 
 def build_rows(input_ids, labels, pairs):
@@ -141,12 +164,14 @@ def scatter_back(shared: torch.Tensor | None, pairs, length: int) -> torch.Tenso
     return out
 
 
-def wrap(model: torch.nn.Module) -> None:
-    """Wrap `model.forward` (TRL's fused-LM-head forward; a DeepSpeed engine's module) to run each pair as one row."""
+def wrap(model: torch.nn.Module, min_saving: float = 0.0) -> dict:
+    """Wrap `model.forward` (TRL's fused-LM-head forward; a DeepSpeed engine's module) to run each pair as one row
+    when that saves at least `min_saving` of the tokens. Returns the counts of forwards run shared and as TRL's rows."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     model = getattr(model, "module", model)
     fused = model.forward
+    counts = {"shared": 0, "two_rows": 0}
 
     def shared_forward(*args, input_ids=None, attention_mask=None, labels=None, fused_lm_head=False, **kwargs):
         if args or input_ids is None or labels is None or not fused_lm_head or set(kwargs) - PASSED_THROUGH:
@@ -155,6 +180,11 @@ def wrap(model: torch.nn.Module) -> None:
                 f"(model(input_ids=..., labels=..., fused_lm_head=True)); got another call: {sorted(kwargs)}"
             )
         pairs = layout(input_ids, attention_mask, labels)
+        if saving(pairs, input_ids.shape[1]) < min_saving:
+            # TRL's rows; the mask is not needed (right padding under causal attention) and attention ignores it
+            counts["two_rows"] += 1
+            return fused(input_ids=input_ids, labels=labels, fused_lm_head=True, **kwargs)
+        counts["shared"] += 1
         ids, positions, targets = build_rows(input_ids, labels, pairs)
         out = fused(
             input_ids=ids,
@@ -169,6 +199,7 @@ def wrap(model: torch.nn.Module) -> None:
         return FusedCausalLMOutput(loss=loss, aux_loss=out.aux_loss, **fields)
 
     model.forward = shared_forward
+    return counts
 
 
 def use_shared_attention(model: torch.nn.Module | None) -> None:

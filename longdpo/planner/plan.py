@@ -356,13 +356,15 @@ def setup_from_recipe(
 
 def shared_pair_tokens(recipe: Recipe, seq: int) -> int | None:
     """With `data.shared_prompt`, the tokens of one pair's shared row: synthetic pairs say their prompt; for other
-    data the prompt's length is not known before tokenizing, so the plan keeps TRL's two rows (an upper bound)."""
+    data the prompt's length is not known before tokenizing, so the plan keeps TRL's two rows (an upper bound), as
+    it does for pairs that would save less than `data.shared_prompt_min_saving` (they run as TRL's rows)."""
     spec = recipe.data.synthetic
     if not recipe.data.shared_prompt or not spec:
         return None
     prompt = spec["prompt_tokens"]
     chosen = seq - prompt
-    return seq + min(spec.get("rejected_tokens", chosen), chosen) + 1
+    tokens = seq + min(spec.get("rejected_tokens", chosen), chosen) + 1
+    return tokens if 1 - tokens / (2 * seq) >= recipe.data.shared_prompt_min_saving else None  # else TRL's rows
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.

@@ -280,7 +280,7 @@ class Run:
             memory_callback=self.memory_callback,
             guard=self.guard,
             sp=self.sp,
-            shared_prompt=recipe.data.shared_prompt,
+            shared_prompt=recipe.data.shared_prompt_min_saving if recipe.data.shared_prompt else None,
             offload_pin_memory=recipe.memory.offload_pin_memory,
         )
         if recipe.model.use_peft and self.is_main:
@@ -299,8 +299,10 @@ class Run:
             logger.info("length report (tokens per sequence = prompt + longer completion): %s", self.report)
             if recipe.data.shared_prompt:
                 logger.info(
-                    "shared prompt: %.0f%% fewer tokens through the model than TRL's two rows per pair",
+                    "shared prompt: %.0f%% fewer tokens through the model than TRL's two rows per pair; a batch "
+                    "that saves less than %.0f%% runs as TRL's rows (data.shared_prompt_min_saving)",
                     100 * self.report["shared_prompt_saves"],
+                    100 * recipe.data.shared_prompt_min_saving,
                 )
             truncated = truncation_warning(self.report)
             if truncated:
@@ -403,6 +405,8 @@ class Run:
             "world_size": args.world_size,
             "sequence_parallel": {"sp_size": self.recipe.parallelism.sp_size, "dp_size": self.dp_size},
             "shared_prompt": self.recipe.data.shared_prompt,
+            # the policy's forwards (with LoRA the reference's too) run as shared rows and as TRL's two rows
+            "shared_prompt_forwards": trainer.shared_prompt_counts,
             "length_report": self.report,
             "skipped_steps": [{"step": step, "quantity": quantity} for step, quantity in self.guard.skipped],
             "wrapped": self.wrapped,

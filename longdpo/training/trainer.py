@@ -11,7 +11,7 @@ from trl import DPOTrainer
 
 class RecipeDPOTrainer(DPOTrainer):
     def __init__(
-        self, *args, memory_callback, guard, sp=None, shared_prompt=False, offload_pin_memory: bool = True, **kwargs
+        self, *args, memory_callback, guard, sp=None, shared_prompt=None, offload_pin_memory: bool = True, **kwargs
     ):
         self.recipe_memory, self.recipe_guard, self.recipe_sp = memory_callback, guard, sp
         super().__init__(*args, **kwargs)
@@ -24,12 +24,13 @@ class RecipeDPOTrainer(DPOTrainer):
             sp.wrap(self.model)  # TRL's fused-LM-head forwards, policy and reference
             sp.wrap(self.ref_model)
             self._tp_size = sp.k  # TRL's token count gathers every rank: a group holds each token K times
-        if shared_prompt:  # TRL's fused-LM-head forwards, policy and reference (LoRA's is the policy's)
+        self.shared_prompt_counts = None
+        if shared_prompt is not None:  # the minimum saving; TRL's fused-LM-head forwards (LoRA's ref is the policy's)
             from longdpo.model import shared_prompt as sharing
 
-            sharing.wrap(self.model)
+            self.shared_prompt_counts = sharing.wrap(self.model, shared_prompt)
             if self.ref_model is not None:
-                sharing.wrap(self.ref_model)
+                sharing.wrap(self.ref_model, shared_prompt)
 
     def log(self, logs, start_time=None):
         if self.model.training:

@@ -178,9 +178,12 @@ RUNS = {
     "unequal/keep_mask": lever(**{"memory.padding_mask": "keep"}, workload="unequal", seq=UNEQUAL, compare=False),
     "unequal": lever(workload="unequal", seq=UNEQUAL, compare=False),
     "unequal/dpo_64k": Run("dpo_64k.yaml", workload="unequal", seq=UNEQUAL, compare=False),
-    "long-prompt/dpo_12k": Run("dpo_12k.yaml", workload="long-prompt", seq=UNEQUAL, compare=False),
-    # each pair's prompt computed once (data.shared_prompt), on stock and on the shipped levers: rows [P, C] of 4,160
-    # tokens (64 mod 128) and a rejected part of 375 against the prompt (the lower-right causal call)
+    "long-prompt/dpo_12k": Run(
+        "dpo_12k.yaml", workload="long-prompt", seq=UNEQUAL, overrides={"data.shared_prompt": "false"}, compare=False
+    ),
+    # each pair's prompt computed once (data.shared_prompt, which dpo_12k ships on), on stock and on the shipped
+    # levers: rows [P, C] of 4,160 tokens (64 mod 128) and a rejected part of 375 against the prompt (the lower-right
+    # causal call); the equal and unequal runs of the shipped recipes save too little and run as TRL's rows
     "long-prompt/stock": lever(workload="long-prompt", seq=UNEQUAL, compare=False),
     "long-prompt/shared": lever(**{"data.shared_prompt": "true"}, workload="long-prompt", seq=UNEQUAL, compare=False),
     "long-prompt/dpo_12k/shared": Run(

@@ -122,9 +122,10 @@ def test_shared_prompt_gives_the_same_curve(plain, tiny_model_dir, tmp_path):
     evaluate = ["--data.eval_files", "recipes/data/arithmetic_preferences.jsonl", "--eval_strategy", "steps"]
     evaluate += ["--eval_steps", "2", "--save_strategy", "no"]
     base = [*LORA, *LEVERS, *evaluate, "--model.name_or_path", tiny_model_dir]
-    run_train(tmp_path / "shared", *base, "--data.shared_prompt", "true")
+    run_train(tmp_path / "shared", *base, "--data.shared_prompt", "true", "--data.shared_prompt_min_saving", "0")
     run_train(tmp_path / "rows", *base)
     shared, rows = summary(tmp_path / "shared"), summary(tmp_path / "rows")
+    assert shared["shared_prompt_forwards"]["shared"] > 0 and shared["shared_prompt_forwards"]["two_rows"] == 0
     assert shared["shared_prompt"] and shared["losses"] == pytest.approx(summary(plain)["losses"], abs=1e-5)
     evals = [[h["eval_loss"] for h in s["eval_logs"]] for s in (shared, rows)]
     assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-5)

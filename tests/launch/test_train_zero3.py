@@ -176,10 +176,12 @@ def test_shared_prompt_on_two_ranks_equals_two_rows_on_one(ds1, ds2, tmp_path):
     rows on 1 rank; then resumed from the unshared run's checkpoint, it continues that curve. The float32 sums differ
     only in order (other matmul shapes, the ranks' reduction): a few ulps of the loss, inside 1e-5."""
     levers = ["--memory.checkpointing", "layer+norm_attn", "--memory.mlp_chunks", "2", "--memory.lean_lm_head", "true"]
-    shared = ["--data.shared_prompt", "true", "--per_device_train_batch_size", "2"]
+    shared = ["--data.shared_prompt", "true", "--data.shared_prompt_min_saving", "0"]
+    shared += ["--per_device_train_batch_size", "2"]
     run_train(tmp_path / "run", *STEPS, *shared, *levers, launcher="deepspeed", procs=2)
     s = summary(tmp_path / "run")
     assert s["shared_prompt"] and s["world_size"] == 2
+    assert s["shared_prompt_forwards"]["shared"] > 0 and s["shared_prompt_forwards"]["two_rows"] == 0
     assert s["losses"] == pytest.approx(summary(ds1)["losses"], abs=1e-5)
     norms = [[h["grad_norm"] for h in x["train_logs"]] for x in (s, summary(ds1))]
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)

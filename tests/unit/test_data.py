@@ -71,7 +71,12 @@ def test_synthetic_pairs_have_exact_token_lengths():
 
     model_args = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
     # (prompt, chosen completion, rejected completion) in tokens, EOS included, for a 300-token sequence
-    expected = {"equal": (75, 225, 225), "unequal": (75, 225, 202), "long-prompt": (270, 30, 27)}
+    expected = {
+        "equal": (75, 225, 225),
+        "unequal": (75, 225, 202),
+        "half-prompt": (150, 150, 135),
+        "long-prompt": (270, 30, 27),
+    }
     assert set(expected) == set(WORKLOADS)
     for name, (prompt, chosen, rejected) in expected.items():
         rows = synthetic_pairs(**workload(name, 300, pairs=3))

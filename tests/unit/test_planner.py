@@ -410,7 +410,8 @@ def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
 
 def test_shared_prompt_plans_one_row_per_pair():
     """A long-prompt synthetic pair (prompt 90%, rejected shorter) with data.shared_prompt: the plan holds the
-    activations of prompt + chosen + rejected + 1 tokens instead of two rows of prompt + chosen."""
+    activations of prompt + chosen + rejected + 1 tokens instead of two rows of prompt + chosen; short-prompt pairs
+    (saving less than data.shared_prompt_min_saving) run, and are planned, as TRL's two rows."""
     from longdpo.config import load_recipe, parse_overrides
     from longdpo.data import workload
     from longdpo.planner.plan import setup_from_recipe
@@ -418,7 +419,7 @@ def test_shared_prompt_plans_one_row_per_pair():
     spec = workload("long-prompt", 65536, 4)
     path = os.path.join(ROOT, "recipes", "nemotron12b", "dpo_64k.yaml")
     args = ["--data.synthetic", json.dumps(spec), "--max_length", "65536"]
-    rows = setup_from_recipe(load_recipe(path, parse_overrides(args)), gpus=8)
+    rows = setup_from_recipe(load_recipe(path, parse_overrides([*args, "--data.shared_prompt", "false"])), gpus=8)
     shared = setup_from_recipe(load_recipe(path, parse_overrides([*args, "--data.shared_prompt", "true"])), gpus=8)
     assert rows.tokens == 2 * 65536
     assert shared.tokens == 65536 + spec["rejected_tokens"] + 1
@@ -427,3 +428,6 @@ def test_shared_prompt_plans_one_row_per_pair():
     per_token = "activations_peak_layer_and_lm_head"
     assert b.breakdown[per_token] == pytest.approx(ratio * a.breakdown[per_token], rel=1e-3)
     assert b.breakdown["model_states"] == a.breakdown["model_states"]
+    short = ["--data.synthetic", json.dumps(workload("equal", 65536, 4)), "--max_length", "65536"]
+    short = load_recipe(path, parse_overrides([*short, "--data.shared_prompt", "true"]))
+    assert setup_from_recipe(short, gpus=8).tokens == 2 * 65536

@@ -29,8 +29,9 @@ def test_shared_rows_give_the_two_row_loss_metrics_and_gradients(dpo_batch):
     assert_same(dpo_batch)
 
 
-def test_the_model_sees_one_row_per_pair_with_the_prompt_once(dpo_batch):
-    """The embedding sees n rows of |P|+|C|+|R|+1 tokens (padded to the longest), and attention gets their layout."""
+def spy_on_forward(dpo_batch, min_saving):
+    """What the embedding and the attention of a shared-prompt model see of TRL's batch: input shapes, layouts and
+    the wrapper's counts."""
     trainer, inputs, _ = dpo_batch
     seen, layouts = [], []
     real = shared_prompt.shared_attention
@@ -51,7 +52,7 @@ def test_the_model_sees_one_row_per_pair_with_the_prompt_once(dpo_batch):
 
         add_fused_lm_head(model)
         shared_prompt.use_shared_attention(model)
-        shared_prompt.wrap(model)
+        counts = shared_prompt.wrap(model, min_saving)
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
         with torch.no_grad():
             model(
@@ -62,7 +63,14 @@ def test_the_model_sees_one_row_per_pair_with_the_prompt_once(dpo_batch):
             )
     finally:
         AttentionInterface.register(shared_prompt.NAME, real)
-    pairs = shared_prompt.layout(inputs["input_ids"], inputs["attention_mask"], labels)
+    return seen, layouts, counts, shared_prompt.layout(inputs["input_ids"], inputs["attention_mask"], labels)
+
+
+def test_the_model_sees_one_row_per_pair_with_the_prompt_once(dpo_batch):
+    """The embedding sees n rows of |P|+|C|+|R|+1 tokens (padded to the longest), and attention gets their layout."""
+    seen, layouts, counts, pairs = spy_on_forward(dpo_batch, 0.0)
+    inputs = dpo_batch[1]
+    assert counts == {"shared": 1, "two_rows": 0}
     assert seen == [torch.Size([len(pairs), max(p + c + r + x for p, c, r, x in pairs)])]
     assert layouts and all(layout == pairs for layout in layouts)
     real_tokens = inputs["attention_mask"].sum().item()
@@ -111,11 +119,35 @@ def test_one_token_prompts_and_cut_completions(short_prompt_batch):
     assert_same(short_prompt_batch)
 
 
+def test_a_batch_that_saves_too_little_runs_as_trls_rows(dpo_batch):
+    """Below `min_saving` the model sees TRL's 2n rows and attention no layout (causal, no mask); the loss, metrics
+    and gradients are TRL's. At exactly the batch's saving it is shared."""
+    inputs = dpo_batch[1]
+    labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    pairs = shared_prompt.layout(inputs["input_ids"], inputs["attention_mask"], labels)
+    saves = shared_prompt.saving(pairs, inputs["input_ids"].shape[1])
+    assert 0.1 < saves < 0.9
+    seen, layouts, counts, _ = spy_on_forward(dpo_batch, saves + 1e-6)
+    assert counts == {"shared": 0, "two_rows": 1}
+    assert seen == [inputs["input_ids"].shape] and layouts and all(layout is None for layout in layouts)
+    assert spy_on_forward(dpo_batch, saves)[2] == {"shared": 1, "two_rows": 0}
+    base_loss, base_grads, _ = metrics_after(dpo_batch)
+    loss, grads, _ = metrics_after(dpo_batch, shared=True, min_saving=saves + 1e-6)
+    assert torch.allclose(loss, base_loss, atol=1e-6)
+    for name, g in grads.items():
+        assert torch.allclose(g, base_grads[name], atol=1e-6), name
+
+
 def test_bad_settings_are_one_clear_line():
     with pytest.raises(Exception, match="`data.shared_prompt` must be true or false"):
-        shared_prompt.check("yes", 1, False)
+        shared_prompt.check("yes", 0.2, 1, False, "auto")
+    for bad in (1, -0.1, "0.2", True):
+        with pytest.raises(Exception, match="`data.shared_prompt_min_saving` must be a fraction in"):
+            shared_prompt.check(True, bad, 1, False, "auto")
     with pytest.raises(Exception, match="set `data.shared_prompt: false` or `parallelism.sp_size: 1`"):
-        shared_prompt.check(True, 2, False)
+        shared_prompt.check(True, 0.2, 2, False, "auto")
     with pytest.raises(Exception, match="set `padding_free: false`"):
-        shared_prompt.check(True, 1, True)
-    shared_prompt.check(False, 2, True)
+        shared_prompt.check(True, 0.2, 1, True, "auto")
+    with pytest.raises(Exception, match="set `memory.padding_mask: auto`"):
+        shared_prompt.check(True, 0.2, 1, False, "keep")
+    shared_prompt.check(False, 0, 2, True, "keep")
