@@ -14,7 +14,15 @@ import shlex
 
 from longdpo.config import REPO_ROOT, load_recipe, parse_cli
 from longdpo.planner.levers import CONFIGS, add_setup_arguments
-from longdpo.planner.plan import SUB_GROUP, Setup, allocator_key, config_name, count_params, predict
+from longdpo.planner.plan import (
+    SUB_GROUP,
+    Setup,
+    allocator_key,
+    config_name,
+    count_params,
+    predict,
+    shared_tokens,
+)
 
 ROOT = str(REPO_ROOT)
 
@@ -74,7 +82,27 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
         ),
         allocator_conf=lv.allocator_conf,
         offload_pinned=lv.offload_pin_memory,
+        pair_tokens=shared_tokens(_synthetic(row["command"]), row["seq_tokens"], recipe.data.shared_prompt_min_saving)
+        if lv.shared_prompt
+        else None,
     )
+
+
+def _synthetic(command: str) -> dict:
+    """The pairs (`data.synthetic`) of a recorded training command."""
+    argv = shlex.split(command)
+    return json.loads(argv[argv.index("--data.synthetic") + 1])
+
+
+def shared_prompt_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
+    """(environment, row, source) for every committed benchmark row that ran `data.shared_prompt` (any workload):
+    not fitted on, held to the plan of its shared rows (tests/unit/test_planner.py)."""
+    for path in sorted(glob.glob(pattern, recursive=True)):
+        with open(path) as f:
+            data = json.load(f)
+        for row in data["results"]:
+            if row.get("peak_reserved_gb") is not None and getattr(CONFIGS.get(row["config"]), "shared_prompt", False):
+                yield data["environment"], row, os.path.relpath(path, ROOT)
 
 
 def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):

@@ -107,6 +107,23 @@ def test_every_committed_gpu_result_is_predicted_within_10_percent():
         assert abs(predicted / row["peak_reserved_gb"] - 1) <= 0.10, (src, row["config"], row["seq_tokens"], predicted)
 
 
+def test_every_committed_shared_prompt_row_is_predicted_within_10_percent():
+    """The planner is fitted on two-row runs; a shared-prompt run is planned as its shared rows (prompt + chosen +
+    rejected + 1 tokens per pair) through the same per-token coefficients, and must land as close."""
+    from longdpo.planner.calibration import setup_from_result, shared_prompt_rows
+
+    rows = list(shared_prompt_rows())
+    assert len(rows) >= 3
+    cal, planned_shared = load_calibration(), 0
+    for env, row, src in rows:
+        setup = setup_from_result(env, row)
+        # (a short-prompt row measured shared before data.shared_prompt_min_saving existed is planned as two rows)
+        planned_shared += bool(setup.pair_tokens) and setup.tokens < 2 * row["seq_tokens"]
+        predicted = predict(setup, cal).peak_reserved_gb
+        assert abs(predicted / row["peak_reserved_gb"] - 1) <= 0.10, (src, row["workload"], predicted)
+    assert planned_shared >= 2
+
+
 def test_the_80_gb_real_path_run_is_predicted_to_fit():
     """Real ZeRO-3, 8 layers, 12,288 tokens, layer+lean+chunked3+head+offload measured 75.9 GB reserved under an
     80 GB cap; the planner once predicted 96.7 GB and preflight refused the run."""
