@@ -140,7 +140,6 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         shared_prompt.check(
             recipe.data.shared_prompt,
             recipe.data.shared_prompt_min_saving,
-            recipe.parallelism.sp_size,
             bool(t.get("padding_free")),
             mem.padding_mask,
         )

@@ -14,6 +14,9 @@ TRL's DPO code is left untouched. The policy's and the reference's forward (TRL'
   - per-token outputs (log-probs, entropy, mean logits, top-1, mask) are all-gathered along the sequence and cut back
     to the unpadded shape, so TRL computes the loss, rewards and metrics on exactly the tensors it would see without
     SP. Backward of the gather hands each rank the gradient of its own shard.
+With `data.shared_prompt` the shared-prompt wrapper (longdpo/model/shared_prompt.py) calls this one with its rows,
+their position ids and pre-shifted labels; Ulysses is then built for one row per pair, and a batch that runs as TRL's
+two rows per pair goes through in two calls of that size.
 Gradient scale: DeepSpeed (and DDP) average gradients over all world_size ranks, but the K ranks of a group hold
 partial gradients of one and the same loss, which must be summed. The gather's backward therefore multiplies by K,
 and the averaged gradient equals the data-parallel average of the per-pair gradients, as without SP.
@@ -154,37 +157,71 @@ class SequenceParallel:
         model = getattr(model, "module", model)
         fused = model.forward
 
-        def sp_forward(*args, input_ids=None, attention_mask=None, labels=None, fused_lm_head=False, **kwargs):
-            if args or input_ids is None or labels is None or not fused_lm_head:
+        def sp_forward(
+            *args,
+            input_ids=None,
+            attention_mask=None,
+            labels=None,
+            fused_lm_head=False,
+            position_ids=None,
+            shift_labels=None,
+            **kwargs,
+        ):
+            if args or input_ids is None or (labels is None) == (shift_labels is None) or not fused_lm_head:
                 raise RuntimeError(
-                    "sequence parallelism wraps TRL's DPO forward "
-                    "(model(input_ids=..., labels=..., fused_lm_head=True)); got another call"
+                    "sequence parallelism wraps TRL's DPO forward (model(input_ids=..., labels=..., "
+                    "fused_lm_head=True), or shared-prompt rows with position_ids and shift_labels); got another call"
                 )
             batch, length = input_ids.shape
-            if batch > self.micro_batch:
-                raise RuntimeError(
-                    f"a micro-batch of {batch} sequences exceeds the {self.micro_batch} Ulysses was "
-                    "built for (2 x per_device_train_batch_size)"
+            if shift_labels is None:  # TRL's rows: the label of position t is token t+1; the last scores nothing
+                shift_labels, scored = F.pad(labels[:, 1:], (0, 1), value=-100), length - 1
+            else:  # shared-prompt rows (longdpo/model/shared_prompt.py): every position carries its own label
+                scored = length
+            if position_ids is None:
+                position_ids = torch.arange(length, device=input_ids.device).expand(batch, -1)
+            if batch > self.micro_batch and "shared_prompt" in kwargs:
+                raise RuntimeError(f"{batch} shared rows exceed the {self.micro_batch} Ulysses was built for")
+            # Ulysses is built for one micro-batch size: more rows (a shared-prompt run's batch that runs as TRL's
+            # rows) run in several calls of that size
+            outs = [
+                self._forward_shard(
+                    fused,
+                    input_ids[i : i + self.micro_batch],
+                    position_ids[i : i + self.micro_batch],
+                    shift_labels[i : i + self.micro_batch],
+                    kwargs,
                 )
-            pad_seq, pad_batch = -length % self.k, self.micro_batch - batch
-            ids = F.pad(input_ids, (0, pad_seq, 0, pad_batch), value=0)
-            # label of position t = token t+1 (the shift TRL's head would do), padding and the last position -100
-            shift = F.pad(labels[:, 1:], (0, 1 + pad_seq, 0, pad_batch), value=-100)
-            n = ids.shape[1] // self.k
-            mine = slice(self.rank * n, (self.rank + 1) * n)
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            out = fused(
-                input_ids=ids[:, mine],
-                position_ids=positions[:, mine],
-                shift_labels=shift[:, mine],
-                fused_lm_head=True,
-                **kwargs,
-            )
-            fields = {f: self.gather(getattr(out, f), length - 1, batch) for f in self.FIELDS}
+                for i in range(0, batch, self.micro_batch)
+            ]
+            fields = {
+                f: None if outs[0][0][f] is None else torch.cat([got[f] for got, _ in outs])[:, :scored]
+                for f in self.FIELDS
+            }
+            aux = [a for _, a in outs if a is not None]
             loss = -fields["log_probs"].sum() / fields["label_mask"].sum().clamp(min=1)
-            return FusedCausalLMOutput(loss=loss, aux_loss=out.aux_loss, **fields)
+            return FusedCausalLMOutput(loss=loss, aux_loss=sum(aux) if aux else None, **fields)
 
         model.forward = sp_forward
+
+    def _forward_shard(self, fused, ids, positions, shift, kwargs):
+        """Rows (at most the micro-batch), padded to it and to a length divisible by K (labels -100, so padding
+        scores nothing), run on this rank's shard; per-token outputs gathered back to (rows, padded length)."""
+        rows, width = ids.shape
+        pad = (0, -width % self.k, 0, self.micro_batch - rows)
+        ids, shift = F.pad(ids, pad, value=0), F.pad(shift, pad, value=-100)
+        # padding keeps increasing positions (a reset would read as a packed sequence to transformers' sdpa mask)
+        given, positions = positions, torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
+        positions[:rows, :width] = given
+        n = ids.shape[1] // self.k
+        mine = slice(self.rank * n, (self.rank + 1) * n)
+        out = fused(
+            input_ids=ids[:, mine],
+            position_ids=positions[:, mine],
+            shift_labels=shift[:, mine],
+            fused_lm_head=True,
+            **kwargs,
+        )
+        return {f: self.gather(getattr(out, f), ids.shape[1], rows) for f in self.FIELDS}, out.aux_loss
 
     def shard_over_data_parallel_ranks(self, dataloader):
         """accelerate shards batches over all ranks; the K ranks of a group must get the same ones."""

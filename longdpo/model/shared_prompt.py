@@ -26,6 +26,10 @@ with `position_ids` and pre-shifted `shift_labels`, and puts every per-token out
 where the label is -100 as TRL's head does. TRL computes the loss, the rewards and every metric on the same tensors as
 without sharing, for every loss type and `ld_alpha`.
 
+Under sequence parallelism (longdpo/model/sequence_parallel.py) this wrapper calls the sequence-parallel one, which
+splits the shared rows over the group's ranks; Ulysses' all-to-all gives this attention whole rows for a share of the
+heads, so the layout holds as it is.
+
 The attention is registered through transformers' attention interface (`NAME`); transformers builds no mask for it.
 Both calls are PyTorch's scaled_dot_product_attention: the first with `is_causal` (cuDNN or flash on Hopper), the
 second with `causal_lower_right` (flash or memory-efficient). Called without a layout (a model used outside DPO's
@@ -81,7 +85,7 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register(NAME, shared_attention)
 
 
-def check(shared: bool, min_saving, sp_size: int, padding_free: bool, padding_mask: str) -> None:
+def check(shared: bool, min_saving, padding_free: bool, padding_mask: str) -> None:
     if not isinstance(shared, bool):
         raise RecipeError(f"`data.shared_prompt` must be true or false, got {shared!r}.")
     if isinstance(min_saving, bool) or not isinstance(min_saving, (int, float)) or not 0 <= min_saving < 1:
@@ -92,11 +96,6 @@ def check(shared: bool, min_saving, sp_size: int, padding_free: bool, padding_ma
         raise RecipeError(
             "`data.shared_prompt: true` runs attention without TRL's padding mask (the shared rows need none): set "
             "`memory.padding_mask: auto` or `data.shared_prompt: false`."
-        )
-    if shared and sp_size > 1:
-        raise RecipeError(
-            "`data.shared_prompt: true` does not run under sequence parallelism yet: set `data.shared_prompt: false` "
-            "or `parallelism.sp_size: 1`."
         )
     if shared and padding_free:
         raise RecipeError(

@@ -255,7 +255,9 @@ class Run:
         if recipe.parallelism.sp_size > 1:  # routes attention through Ulysses for every model of this process
             from longdpo.model.sequence_parallel import SequenceParallel
 
-            self.sp = SequenceParallel(recipe.parallelism.sp_size, 2 * args.per_device_train_batch_size, model)
+            # Ulysses' micro-batch: TRL's two rows per pair, or one shared row per pair (longdpo/model/shared_prompt.py)
+            rows = (1 if recipe.data.shared_prompt else 2) * args.per_device_train_batch_size
+            self.sp = SequenceParallel(recipe.parallelism.sp_size, rows, model)
         if memory.sgd_in_backward:
             sgd_in_backward(model, args.learning_rate)
         self.memory_callback.weights_gb = parameter_bytes(model, ref_model) / 1e9

@@ -120,6 +120,29 @@ def test_zero3_training_with_sp2_equals_sp1(zero3_runs):
         assert ev2[key] == pytest.approx(ev1[key], rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.parametrize("min_saving, shared", [("0", True), ("0.99", False)])
+def test_zero3_shared_prompt_with_sp2_equals_sp1(zero3_runs, tmp_path, min_saving, shared):
+    """Each pair's prompt computed once under sequence parallelism: Ulysses' all-to-all hands the shared-prompt
+    attention whole rows; TRL's two rows on sp1 give the same curve, metrics and evaluation. With a minimum saving no
+    batch reaches, every batch runs as TRL's rows, in two calls of Ulysses' micro-batch (one shared row per pair)."""
+    run_train(
+        tmp_path,
+        *STEPS,
+        *("--parallelism.sp_size", "2", "--data.shared_prompt", "true", "--data.shared_prompt_min_saving", min_saving),
+        launcher="deepspeed",
+        procs=2,
+    )
+    one, run = summary(zero3_runs[0]), summary(tmp_path)
+    assert run["sequence_parallel"] == {"sp_size": 2, "dp_size": 1}
+    forwards = run["shared_prompt_forwards"]
+    assert (forwards["shared"] > 0, forwards["two_rows"] > 0) == (shared, not shared), forwards
+    for a, b in zip(one["train_logs"], run["train_logs"], strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/rejected", "entropy", "num_tokens"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    (ev1,), (ev2,) = one["eval_logs"], run["eval_logs"]
+    assert ev2["eval_loss"] == pytest.approx(ev1["eval_loss"], rel=1e-5, abs=1e-6)
+
+
 def test_zero3_sp2_saves_the_same_parameters(zero3_runs):
     """Three SGD steps with equal gradients leave equal weights (gathered from the ZeRO-3 shards at save)."""
     from transformers import AutoModelForCausalLM

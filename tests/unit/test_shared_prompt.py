@@ -140,14 +140,12 @@ def test_a_batch_that_saves_too_little_runs_as_trls_rows(dpo_batch):
 
 def test_bad_settings_are_one_clear_line():
     with pytest.raises(Exception, match="`data.shared_prompt` must be true or false"):
-        shared_prompt.check("yes", 0.2, 1, False, "auto")
+        shared_prompt.check("yes", 0.2, False, "auto")
     for bad in (1, -0.1, "0.2", True):
         with pytest.raises(Exception, match="`data.shared_prompt_min_saving` must be a fraction in"):
-            shared_prompt.check(True, bad, 1, False, "auto")
-    with pytest.raises(Exception, match="set `data.shared_prompt: false` or `parallelism.sp_size: 1`"):
-        shared_prompt.check(True, 0.2, 2, False, "auto")
+            shared_prompt.check(True, bad, False, "auto")
     with pytest.raises(Exception, match="set `padding_free: false`"):
-        shared_prompt.check(True, 0.2, 1, True, "auto")
+        shared_prompt.check(True, 0.2, True, "auto")
     with pytest.raises(Exception, match="set `memory.padding_mask: auto`"):
-        shared_prompt.check(True, 0.2, 1, False, "keep")
-    shared_prompt.check(False, 0, 2, True, "keep")
+        shared_prompt.check(True, 0.2, False, "keep")
+    shared_prompt.check(False, 0, True, "keep")
