@@ -223,6 +223,9 @@ def predict(
     coef, source = _coefficients(s.config, cal)
     p, r = s.params, s.ranks
     a = s.lora_params
+    lora = cal.get("lora", {}).get(s.config) if a else None
+    if lora:
+        coef, source = lora, f"LoRA measurements of this configuration ({s.config})"
     if s.emulate:
         states, ref, step = 2.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0
         gathered = gap = 0.0
@@ -272,7 +275,7 @@ def predict(
             f"; calibrated on the 12B Mistral architecture (hidden {cal.get('hidden')}); this is {s.model_type} "
             f"(hidden {s.hidden}), modelled from it: expect more than the 10% error held there"
         )
-    if a:
+    if a and not lora:
         source += f"; LoRA ({a / 1e6:.1f} M adapter parameters): activations taken from full fine-tuning"
     if s.sp > 1:
         source += f"; sequence parallel {s.sp}: per-rank tokens / {s.sp} (Ulysses all-to-all buffers not calibrated)"

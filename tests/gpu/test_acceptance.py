@@ -62,7 +62,7 @@ class Run:
     overrides: dict = field(default_factory=dict)
     weight_gb: float = 47.0  # expected peak reserved (GB), for scheduling only: 1 layer on ZeRO-3 measured 45-48
     compare: bool = True  # same model and data as `stock`: its step-1 gradient norm must match
-    planned: bool = True  # the planner's prediction is held to 10% (LoRA's is reported, not yet calibrated)
+    planned: bool = True  # the planner's prediction is held to 10%
     workload: str = "equal"  # the pairs' shape (longdpo/data.py WORKLOADS)
 
     @property
@@ -154,14 +154,13 @@ RUNS = {
     ),
     # LoRA (model.use_peft): the one-GPU recipe as shipped, without DeepSpeed, short and at its 64k; and under ZeRO-3
     # with every lever (TRL forces reentrant layer checkpointing for PEFT + ZeRO-3; our checkpoints nest in it)
-    "dpo_lora_64k/python": Run("dpo_lora_64k.yaml", launcher="python", weight_gb=15, compare=False, planned=False),
+    "dpo_lora_64k/python": Run("dpo_lora_64k.yaml", launcher="python", weight_gb=15, compare=False),
     "dpo_lora_64k/python/64k": Run(
-        "dpo_lora_64k.yaml", launcher="python", layers=2, seq=65536, weight_gb=40, compare=False, planned=False
+        "dpo_lora_64k.yaml", launcher="python", layers=2, seq=65536, weight_gb=40, compare=False
     ),
     "lora+layer+norm_attn+lean+chunked4+head+offload": Run(
         "dpo_12k.yaml",
         compare=False,
-        planned=False,
         overrides={
             **BASE,
             "activation_offloading": "true",
@@ -196,7 +195,6 @@ RUNS = {
         seq=UNEQUAL,
         weight_gb=15,
         compare=False,
-        planned=False,
     ),
     # the shipped combination of the 12k headline (dpo_12k's and dpo_64k's run above, as recipes)
     "layer+lean+chunked3+head+offload": lever(

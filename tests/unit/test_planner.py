@@ -124,6 +124,38 @@ def test_every_committed_shared_prompt_row_is_predicted_within_10_percent():
     assert planned_shared >= 2
 
 
+# The 12B LoRA recipe on one H200, 40 layers (results/gpu_2026-12-04_lora12b, commands.txt): not fitted on
+LORA_12B = {
+    "ours_64k": [],
+    "ours_128k": ["--max_length", "131072", "--memory.offload_pin_memory", "false"]
+    + ["--data.synthetic", "{pairs: 4, seq_tokens: 131072, prompt_tokens: 4096}"],
+}
+
+
+def test_lora_runs_are_predicted_within_10_percent():
+    """LoRA has its own coefficients, fitted on the acceptance suite's 1-2 layer LoRA runs; they must also predict
+    the 40-layer runs of the 12B LoRA recipe at 64k and 128k, which they were not fitted on."""
+    from longdpo.planner.calibration import lora_rows, setup_from_argv
+
+    fitted = list(lora_rows())
+    assert len(fitted) >= 2
+    cal = load_calibration()
+    for _env, row, src, s in fitted:
+        assert "LoRA measurements" in predict(s, cal).calibrated_from
+        assert abs(predict(s, cal).peak_reserved_gb / row["peak_reserved_gb"] - 1) <= 0.10, (src, row["run"])
+    base = ["python", "launch/train_dpo.py", "--recipe", "results/gpu_acceptance/recipes_1991352/dpo_lora_64k.yaml"]
+    for name, args in LORA_12B.items():
+        records = [
+            json.loads(line)
+            for line in open(os.path.join(ROOT, "results/gpu_2026-12-04_lora12b", name, "memory.jsonl"))
+        ]
+        measured = max(r["peak_reserved_gb"] for r in records)
+        setup = setup_from_argv([*base, *args])
+        assert setup.layers == 40 and setup.lora_params
+        predicted = predict(setup, cal).peak_reserved_gb
+        assert abs(predicted / measured - 1) <= 0.10, (name, predicted, measured)
+
+
 def test_the_80_gb_real_path_run_is_predicted_to_fit():
     """Real ZeRO-3, 8 layers, 12,288 tokens, layer+lean+chunked3+head+offload measured 75.9 GB reserved under an
     80 GB cap; the planner once predicted 96.7 GB and preflight refused the run."""
