@@ -29,21 +29,23 @@ def _gb(value: str, flag: str) -> float:
         raise RecipeError(f"{flag} {value!r} is not a size; write it in GB, e.g. 80GB.") from None
 
 
-def data_longest_pair(recipe) -> int | None:
-    """With `max_length: null` on files or a Hub dataset, the planner plans for the longest pair: measured here, as
-    the entrypoint measures it (TRL's tokenization, one pass over the data)."""
-    from longdpo.config import trainer_default
+def measured_on_data(recipe) -> tuple[int | None, int | None]:
+    """Where the plan depends on the pairs (files or a Hub dataset with `max_length: null`, or `data.shared_prompt`),
+    (seq, pair_tokens) measured here as the entrypoint measures them (TRL's tokenization, one pass over the data)."""
+    from longdpo.data import load_train_data, measured_for_plan, plan_on_data
 
-    if recipe.trainer.get("max_length", trainer_default("max_length")) is not None or recipe.data.synthetic:
-        return None
+    if not plan_on_data(recipe):
+        return None, None
     from longdpo.checks import check_data_args
-    from longdpo.data import load_train_data, longest_pair
     from longdpo.model.build import load_tokenizer
 
     check_data_args(recipe.data)
-    longest = longest_pair(load_tokenizer(recipe.model), load_train_data(recipe.data))
-    print(f"max_length: null: the data's longest pair is {longest} tokens; planning for it")
-    return longest
+    seq, pair_tokens = measured_for_plan(recipe, load_tokenizer(recipe.model), load_train_data(recipe.data))
+    if seq:
+        print(f"max_length: null: the data's longest pair is {seq} tokens; planning for it")
+    if pair_tokens:
+        print(f"data.shared_prompt: the costliest pair puts {pair_tokens} tokens through the model; planning for it")
+    return seq, pair_tokens
 
 
 def main(argv=None) -> int:
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
             None if v is None else _gb(v, name)
             for v, name in ((args.gpu_memory, "--gpu-memory"), (args.host_memory, "--host-memory"))
         )
-        result = plan(recipe, args.gpus, memory, args.nodes, ds, host, seq=data_longest_pair(recipe))
+        seq, pair_tokens = measured_on_data(recipe)
+        result = plan(recipe, args.gpus, memory, args.nodes, ds, host, seq=seq, pair_tokens=pair_tokens)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import os
 import random
 import string
 
-from longdpo.config import DataArgs, RecipeError, resolve_path
+from longdpo.config import DataArgs, RecipeError, resolve_path, trainer_default
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -357,23 +357,31 @@ def check_chat_template(tokenizer, dataset, key: str = "train_files", rows: int 
     return None
 
 
-def prompt_tokens(tokenizer, row: dict) -> int:
-    """The prompt's length in tokens as TRL 1.16's DPOTrainer counts it when it drops pairs: the tokens the prompt
-    shares with prompt + chosen and prompt + rejected (EOS appended to string completions, chat template applied to
-    conversations). TRL's own tokenization helpers, so that the count is TRL's."""
-    from trl.data_utils import _tokenize, common_prefix_length, extract_prompt, is_conversational
+def _tokenized(tokenizer, row: dict, with_prompt: bool = True):
+    """The prompt's ids (None unless `with_prompt`) and those of prompt + chosen and prompt + rejected, as TRL 1.16's
+    DPOTrainer tokenizes them (EOS appended to string completions, chat template applied to conversations). TRL's own
+    tokenization helpers, so that the counts are TRL's."""
+    from trl.data_utils import _tokenize, extract_prompt, is_conversational
 
     row = row if "prompt" in row else extract_prompt(row)
     if is_conversational(row):
-        prompt = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"]
-        full = [_tokenize(tokenizer, row["prompt"] + row[k])["input_ids"] for k in ("chosen", "rejected")]
-    else:
-        eos = tokenizer.eos_token or ""
-        prompt = _tokenize(tokenizer, row["prompt"])["input_ids"]
-        full = [
-            _tokenize(tokenizer, row["prompt"] + (row[k] if row[k].endswith(eos) else row[k] + eos))["input_ids"]
-            for k in ("chosen", "rejected")
-        ]
+        prompt = _tokenize(tokenizer, row["prompt"], add_generation_prompt=True)["input_ids"] if with_prompt else None
+        return prompt, [_tokenize(tokenizer, row["prompt"] + row[k])["input_ids"] for k in ("chosen", "rejected")]
+    eos = tokenizer.eos_token or ""
+    prompt = _tokenize(tokenizer, row["prompt"])["input_ids"] if with_prompt else None
+    full = [
+        _tokenize(tokenizer, row["prompt"] + (row[k] if row[k].endswith(eos) else row[k] + eos))["input_ids"]
+        for k in ("chosen", "rejected")
+    ]
+    return prompt, full
+
+
+def prompt_tokens(tokenizer, row: dict) -> int:
+    """The prompt's length in tokens as TRL counts it when it drops pairs: the tokens the prompt shares with
+    prompt + chosen and prompt + rejected."""
+    from trl.data_utils import common_prefix_length
+
+    prompt, full = _tokenized(tokenizer, row)
     return min(common_prefix_length(prompt, ids) for ids in full)
 
 
@@ -381,21 +389,54 @@ def longest_pair(tokenizer, dataset) -> int:
     """Tokens of the longest sequence (prompt + the longer completion) as TRL tokenizes it: what `max_length: null`
     trains on, and so what the planner plans for. One pass over the data (TRL makes the same one after the models
     load)."""
-    from trl.data_utils import _tokenize, extract_prompt, is_conversational
+    return max((len(ids) for row in dataset for ids in _tokenized(tokenizer, row, with_prompt=False)[1]), default=0)
 
-    longest = 0
+
+def costliest_pair_tokens(tokenizer, dataset, max_length: int | None, min_saving: float) -> int:
+    """With `data.shared_prompt` and one pair per batch: the most tokens one pair puts through the model, as its shared
+    row (prompt + chosen + rejected + 1) where that saves `min_saving`, else as TRL's two rows; cut by `max_length` as
+    TRL's collator cuts it. What the planner plans for, instead of two rows of `max_length`."""
+    from trl.data_utils import common_prefix_length
+
+    costliest = 0
     for row in dataset:
-        row = row if "prompt" in row else extract_prompt(row)
-        for key in ("chosen", "rejected"):
-            if is_conversational(row):
-                ids = _tokenize(tokenizer, row["prompt"] + row[key])["input_ids"]
-            else:
-                eos = tokenizer.eos_token or ""
-                ids = _tokenize(tokenizer, row["prompt"] + (row[key] if row[key].endswith(eos) else row[key] + eos))[
-                    "input_ids"
-                ]
-            longest = max(longest, len(ids))
-    return longest
+        prompt, full = _tokenized(tokenizer, row)
+        p = min(common_prefix_length(prompt, ids) for ids in full)
+        if max_length is not None and p >= max_length:
+            continue  # TRL drops the pair
+        c, r = (len(ids) - p for ids in full)
+        if max_length is not None:
+            c, r = min(c, max_length - p), min(r, max_length - p)
+        rows, shared = 2 * (p + max(c, r)), p + c + r + 1
+        costliest = max(costliest, shared if 1 - shared / rows >= min_saving else rows)
+    return costliest
+
+
+def _plans_shared_rows(recipe) -> bool:
+    """`data.shared_prompt` with one pair per batch: each batch's tokens are one pair's (with more pairs, the batch's
+    decision and padding depend on which pairs meet, and the plan keeps TRL's two rows, an upper bound)."""
+    batch = recipe.trainer.get("per_device_train_batch_size", trainer_default("per_device_train_batch_size"))
+    return recipe.data.shared_prompt and batch == 1
+
+
+def plan_on_data(recipe) -> bool:
+    """Whether the planner needs the pairs themselves (files or a Hub dataset): with `max_length: null`, for their
+    longest pair; with `data.shared_prompt`, for their costliest shared row."""
+    no_max_length = recipe.trainer.get("max_length", trainer_default("max_length")) is None
+    return not recipe.data.synthetic and (no_max_length or _plans_shared_rows(recipe))
+
+
+def measured_for_plan(recipe, tokenizer, dataset) -> tuple[int | None, int | None]:
+    """(seq, pair_tokens) for the planner, measured on the pairs where `plan_on_data` says so: the longest pair where
+    `max_length` is null, the costliest pair's tokens with `data.shared_prompt`; None where the recipe says it."""
+    if not plan_on_data(recipe):
+        return None, None
+    max_length = recipe.trainer.get("max_length", trainer_default("max_length"))
+    seq = longest_pair(tokenizer, dataset) if max_length is None else None
+    pair_tokens = None
+    if _plans_shared_rows(recipe):
+        pair_tokens = costliest_pair_tokens(tokenizer, dataset, max_length, recipe.data.shared_prompt_min_saving)
+    return seq, pair_tokens
 
 
 def check_some_pair_fits(tokenizer, dataset, max_length: int | None, truncation_mode: str) -> None:

@@ -309,9 +309,16 @@ def planned_length(recipe: Recipe, longest_pair: int | None = None) -> int:
 
 
 def setup_from_recipe(
-    recipe: Recipe, gpus: int, nodes: int = 1, ds_config: dict | None = None, seq: int | None = None
+    recipe: Recipe,
+    gpus: int,
+    nodes: int = 1,
+    ds_config: dict | None = None,
+    seq: int | None = None,
+    pair_tokens: int | None = None,
 ) -> Setup:
-    """`seq`: the data's longest pair, for `max_length: null` (planned_length)."""
+    """`seq`: the data's longest pair, for `max_length: null` (planned_length). `pair_tokens`: with
+    `data.shared_prompt`, the tokens the costliest pair puts through the model, measured on the data
+    (`longdpo.data.costliest_pair_tokens`); synthetic pairs say it themselves."""
     from longdpo.model.build import load_architecture
 
     arch = load_architecture(recipe.model)
@@ -353,7 +360,7 @@ def setup_from_recipe(
         offload_pinned=mem.offload_pin_memory,
         lora_params=lora_params,
         model_type=getattr(arch, "model_type", "mistral"),
-        pair_tokens=shared_pair_tokens(recipe, planned_length(recipe, seq)),
+        pair_tokens=pair_tokens or shared_pair_tokens(recipe, planned_length(recipe, seq)),
     )
 
 
@@ -451,10 +458,11 @@ def plan(
     ds_config: dict | None = None,
     host_memory_gb: float | None = None,
     seq: int | None = None,
+    pair_tokens: int | None = None,
 ) -> Plan:
     from longdpo.cluster import resilience
 
-    s = setup_from_recipe(recipe, gpus, nodes, ds_config, seq)
+    s = setup_from_recipe(recipe, gpus, nodes, ds_config, seq, pair_tokens)
     result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
     t = recipe.trainer
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2

@@ -27,22 +27,25 @@ def gpu_memory_gb(recipe) -> float | None:
     return None
 
 
-def planned(recipe, world_size: int, gpu_memory: float | None = None, seq: int | None = None):
+def planned(
+    recipe, world_size: int, gpu_memory: float | None = None, seq: int | None = None, pair_tokens: int | None = None
+):
     """The plan of this launch: the launcher's ranks per node, the DeepSpeed config it was given."""
     ds_path = recipe.trainer.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     ds = check_deepspeed_config(ds_path) if ds_path else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     budget = gpu_memory if gpu_memory is not None else gpu_memory_gb(recipe)
-    return planner.plan(recipe, per_node, budget, max(1, world_size // per_node), ds, seq=seq)
+    return planner.plan(recipe, per_node, budget, max(1, world_size // per_node), ds, seq=seq, pair_tokens=pair_tokens)
 
 
-def preflight(recipe, world_size: int, enforce: bool, seq: int | None = None):
+def preflight(recipe, world_size: int, enforce: bool, seq: int | None = None, pair_tokens: int | None = None):
     """The planner's verdict; refuses a run predicted not to fit (--skip-preflight runs it anyway). `seq`: the
-    tokens per sequence when `max_length` does not say (null: the data's longest pair)."""
+    tokens per sequence when `max_length` does not say (null: the data's longest pair); `pair_tokens`: with
+    `data.shared_prompt`, the costliest pair's tokens measured on the data."""
     import torch
 
     try:
-        result = planned(recipe, world_size, seq=seq)
+        result = planned(recipe, world_size, seq=seq, pair_tokens=pair_tokens)
     except (AttributeError, KeyError, TypeError, OSError) as e:  # an architecture the planner cannot model
         logger.warning("planner: cannot model this run (%s); no preflight", e)
         return None
@@ -74,7 +77,14 @@ def preflight(recipe, world_size: int, enforce: bool, seq: int | None = None):
 
 
 def oom_report(
-    error, recipe, world_size: int, records: list[dict], allocator_conf, last_checkpoint, seq: int | None = None
+    error,
+    recipe,
+    world_size: int,
+    records: list[dict],
+    allocator_conf,
+    last_checkpoint,
+    seq: int | None = None,
+    pair_tokens: int | None = None,
 ) -> str:
     """What a CUDA out-of-memory error leaves the user: the last steps' telemetry, the allocator's gap, the
     planner's changes for this recipe, the last intact checkpoint."""
@@ -87,10 +97,12 @@ def oom_report(
         gap = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)) / 1e9
         lines.append(f"allocator now: fragmentation gap {gap:.2f} GB, setting {allocator_conf or 'default'}")
     try:
-        predicted = planned(recipe, world_size, seq=seq)
+        predicted = planned(recipe, world_size, seq=seq, pair_tokens=pair_tokens)
         # It did not fit, whatever was predicted: ask for changes predicted below both the budget and the prediction.
         budget = min(predicted.gpu_memory_gb or predicted.peak_reserved_gb, predicted.peak_reserved_gb * 0.999)
-        lines.append("planner for this recipe:\n" + planner.render(planned(recipe, world_size, budget, seq)))
+        lines.append(
+            "planner for this recipe:\n" + planner.render(planned(recipe, world_size, budget, seq, pair_tokens))
+        )
     except (AttributeError, KeyError, TypeError):
         lines.append("planner: cannot model this run")
     lines.append(

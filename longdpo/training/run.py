@@ -63,6 +63,7 @@ class Run:
         from longdpo.checks import Problems, check_processes_per_gpu, check_recipe
         from longdpo.cluster import resilience
         from longdpo.config import load_recipe
+        from longdpo.data import plan_on_data
         from longdpo.planner.plan import planned_length
 
         recipe = self.recipe = load_recipe(self.cli["recipe"], self.cli["overrides"])
@@ -80,17 +81,19 @@ class Run:
             self.seq = planned_length(recipe)
         except RecipeError:  # max_length: null on files: the preflight waits for the data's longest pair
             self.seq = None
-        if self.seq and (not problems.found or recipe.model.architecture or recipe.model.name_or_path):
+        self.pair_tokens = None
+        self.plan_on_data = plan_on_data(recipe)  # the preflight waits for the pairs (longest; shared rows)
+        if not self.plan_on_data and (not problems.found or recipe.model.architecture or recipe.model.name_or_path):
             with problems.check():
                 self._preflight()
         problems.raise_if_any()
-        if self.seq:
+        if not self.plan_on_data:
             self._checked()
 
     def _preflight(self) -> None:
         from longdpo.planner.preflight import preflight
 
-        self.prediction = preflight(self.recipe, self.world_size, self.cli["preflight"], self.seq)
+        self.prediction = preflight(self.recipe, self.world_size, self.cli["preflight"], self.seq, self.pair_tokens)
 
     def _checked(self) -> None:
         """Every check has passed: the disk, and only then the earlier run's deletion (--overwrite_output_dir)."""
@@ -179,9 +182,15 @@ class Run:
 
     def load_data(self) -> None:
         """The tokenizer and the preference data, checked against the chat template, `max_length` and the model's
-        vocabulary; with `max_length: null`, the planner's verdict on the data's longest pair."""
-        from longdpo.data import check_chat_template, check_some_pair_fits, load_eval_data, load_train_data
-        from longdpo.data import longest_pair as measure_longest
+        vocabulary; with `max_length: null` or `data.shared_prompt` on files, the planner's verdict on the pairs as
+        measured (the longest; the costliest shared row)."""
+        from longdpo.data import (
+            check_chat_template,
+            check_some_pair_fits,
+            load_eval_data,
+            load_train_data,
+            measured_for_plan,
+        )
         from longdpo.model.build import load_architecture, load_tokenizer
 
         recipe, t = self.recipe, self.recipe.trainer
@@ -203,8 +212,9 @@ class Run:
                 f"The tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                 f"{vocab_size}; use a matching `model.tokenizer`."
             )
-        if self.seq is None:  # max_length: null on files: plan for the longest pair there is
-            self.seq = measure_longest(self.tokenizer, self.train_raw)
+        if self.plan_on_data:
+            seq, self.pair_tokens = measured_for_plan(recipe, self.tokenizer, self.train_raw)
+            self.seq = self.seq or seq
             self._preflight()
             self._checked()
 
@@ -348,6 +358,7 @@ class Run:
                     self.memory_callback.allocator["allocator_conf"],
                     resilience.last_complete(self.args.output_dir),
                     self.seq,
+                    self.pair_tokens,
                 )
             ) from None
         if self.guard.stopped:

@@ -267,3 +267,23 @@ def test_the_entrypoint_sends_no_usage_ping():
             [sys.executable, "-c", probe], cwd=ROOT, env=run_env, capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == expected, setting
+
+
+def test_shared_prompt_on_files_is_planned_on_the_measured_pairs(tmp_path):
+    """With data.shared_prompt on files and one pair per batch, the start-up verdict waits for the data and plans the
+    costliest pair's tokens (measured as TRL tokenizes it), not two rows of max_length."""
+    from conftest import TINY
+
+    from longdpo.config import load_recipe, parse_cli
+    from longdpo.data import load_train_data, measured_for_plan
+    from longdpo.model.build import load_tokenizer
+    from longdpo.planner.plan import plan
+
+    args = ["--data.shared_prompt", "true", "--per_device_train_batch_size", "1", "--max_steps", "1"]
+    run_train(tmp_path, *args, "--save_strategy", "no")
+    cli = parse_cli(["--recipe", TINY, *args])
+    recipe = load_recipe(cli["recipe"], cli["overrides"])
+    _, pair_tokens = measured_for_plan(recipe, load_tokenizer(recipe.model), load_train_data(recipe.data))
+    assert pair_tokens < 2 * recipe.trainer["max_length"]
+    expected = plan(recipe, 1, None, pair_tokens=pair_tokens).peak_reserved_gb
+    assert summary(tmp_path)["planner_predicted_reserved_gb"] == expected

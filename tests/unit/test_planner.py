@@ -457,6 +457,40 @@ def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
     assert planned_length(synthetic) == 4096
 
 
+def test_shared_prompt_on_files_plans_the_costliest_pair_measured(tmp_path, capsys):
+    """With data.shared_prompt on files the planner plans the tokens the costliest pair puts through the model, as
+    TRL tokenizes and cuts it: a long-document pair as its shared row, a short-prompt pair (saving less than
+    data.shared_prompt_min_saving) as TRL's two rows; the planner's command line measures it as the entrypoint does."""
+    import json as _json
+
+    from launch.plan_memory import main
+    from longdpo.config import load_recipe, parse_overrides
+    from longdpo.data import load_train_data, measured_for_plan, plan_on_data
+    from longdpo.model.build import load_tokenizer
+    from longdpo.planner.plan import setup_from_recipe
+
+    rows = [
+        {"prompt": "d" * 900, "chosen": "a" * 60, "rejected": "b" * 30},  # cut to 512: P 512, C = R = 0 + EOS... cut
+        {"prompt": "d" * 300, "chosen": "a" * 50, "rejected": "b" * 20},  # shared 300 + 51 + 21 + 1 = 373 of 702
+        {"prompt": "q", "chosen": "a" * 200, "rejected": "b" * 190},  # saves 2% < 20%: two rows, 2 x 202 = 404
+    ]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(_json.dumps(r) + "\n" for r in rows))
+    args = ["--max_length", "512", "--data.train_files", f"[{data}]", "--per_device_train_batch_size", "1"]
+    recipe = load_recipe(TINY, parse_overrides([*args, "--data.shared_prompt", "true"]))
+    assert plan_on_data(recipe) and not plan_on_data(load_recipe(TINY, parse_overrides(args)))
+    seq, pair_tokens = measured_for_plan(recipe, load_tokenizer(recipe.model), load_train_data(recipe.data))
+    assert (seq, pair_tokens) == (None, 404)  # the first pair's prompt fills max_length: TRL drops it
+    setup = setup_from_recipe(recipe, 1, pair_tokens=pair_tokens)
+    assert setup.tokens == 404 < 2 * 512
+    assert main(["--recipe", TINY, "--gpus", "1", *args, "--data.shared_prompt", "true"]) == 0
+    assert "the costliest pair puts 404 tokens through the model" in capsys.readouterr().out
+    fewer = load_recipe(TINY, parse_overrides([*args, "--data.shared_prompt", "true"]))
+    fewer.data.train_files = [str(tmp_path / "two.jsonl")]
+    (tmp_path / "two.jsonl").write_text("".join(_json.dumps(r) + "\n" for r in rows[:2]))
+    assert measured_for_plan(fewer, load_tokenizer(recipe.model), load_train_data(fewer.data))[1] == 373
+
+
 def test_shared_prompt_plans_one_row_per_pair():
     """A long-prompt synthetic pair (prompt 90%, rejected shorter) with data.shared_prompt: the plan holds the
     activations of prompt + chosen + rejected + 1 tokens instead of two rows of prompt + chosen; short-prompt pairs
