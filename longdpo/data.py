@@ -407,9 +407,16 @@ def costliest_pair_tokens(tokenizer, dataset, max_length: int | None, min_saving
         c, r = (len(ids) - p for ids in full)
         if max_length is not None:
             c, r = min(c, max_length - p), min(r, max_length - p)
-        rows, shared = 2 * (p + max(c, r)), p + c + r + 1
-        costliest = max(costliest, shared if 1 - shared / rows >= min_saving else rows)
+        costliest = max(costliest, tokens_through_model(p, c, r, min_saving))
     return costliest
+
+
+def tokens_through_model(prompt: int, chosen: int, rejected: int, min_saving: float) -> int:
+    """With `data.shared_prompt`, the tokens one pair puts through the model: its shared row (prompt + chosen +
+    rejected + 1) where that saves `min_saving` of TRL's two rows (2 x (prompt + the longer completion)), else those
+    two rows (longdpo/model/shared_prompt.py makes the same choice per batch)."""
+    rows, shared = 2 * (prompt + max(chosen, rejected)), prompt + chosen + rejected + 1
+    return shared if 1 - shared / rows >= min_saving else rows
 
 
 def _plans_shared_rows(recipe) -> bool:

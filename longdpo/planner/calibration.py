@@ -98,27 +98,31 @@ def _synthetic(command: str) -> dict:
 def shared_prompt_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
     """(environment, row, source) for every committed benchmark row that ran `data.shared_prompt` (any workload):
     not fitted on, held to the plan of its shared rows (tests/unit/test_planner.py)."""
+    for env, row, src in _benchmark_rows(pattern):
+        if row.get("peak_reserved_gb") is not None and getattr(CONFIGS.get(row["config"]), "shared_prompt", False):
+            yield env, row, src
+
+
+def _benchmark_rows(pattern: str):
+    """(environment, row, source) of every committed benchmark results file, copies made by
+    `bench_memory.py --merge` left out (their rows are read where they were measured)."""
     for path in sorted(glob.glob(pattern, recursive=True)):
         with open(path) as f:
             data = json.load(f)
+        if "merged_from" in data["environment"]:
+            continue
         for row in data["results"]:
-            if row.get("peak_reserved_gb") is not None and getattr(CONFIGS.get(row["config"]), "shared_prompt", False):
-                yield data["environment"], row, os.path.relpath(path, ROOT)
+            yield data["environment"], row, os.path.relpath(path, ROOT)
 
 
 def measured_rows(pattern: str = os.path.join(ROOT, "results", "**", "results.json")):
     """(environment, row, source) for every committed measurement that produced memory figures: the benchmark's
     rows and the GPU acceptance suite's runs (real entrypoint, 1-2 layers; peaks over every step)."""
-    for path in sorted(glob.glob(pattern, recursive=True)):
-        with open(path) as f:
-            data = json.load(f)
-        if "merged_from" in data["environment"]:  # bench_memory.py --merge: copies of rows already read
-            continue
-        for row in data["results"]:
-            # the planner plans two sequences of max_length: it is fitted on pairs of that shape only, run as two rows
-            shared = row["config"] in CONFIGS and CONFIGS[row["config"]].shared_prompt
-            if row.get("peak_allocated_gb") is not None and row.get("workload", "equal") == "equal" and not shared:
-                yield data["environment"], row, os.path.relpath(path, ROOT)
+    for env, row, src in _benchmark_rows(pattern):
+        # the planner plans two sequences of max_length: it is fitted on pairs of that shape only, run as two rows
+        shared = row["config"] in CONFIGS and CONFIGS[row["config"]].shared_prompt
+        if row.get("peak_allocated_gb") is not None and row.get("workload", "equal") == "equal" and not shared:
+            yield env, row, src
     for env, row, src, s in acceptance_rows(ACCEPTANCE_RUNS):
         if not s.lora_params:
             yield env, row, src

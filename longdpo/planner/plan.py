@@ -377,9 +377,12 @@ def shared_pair_tokens(recipe: Recipe, seq: int) -> int | None:
 def shared_tokens(spec: dict, seq: int, min_saving: float) -> int | None:
     """The shared row of a synthetic pair (`data.synthetic`) cut to `seq` tokens, or None where it saves less than
     `min_saving` of TRL's two rows (such a pair runs as TRL's rows)."""
-    chosen = seq - spec["prompt_tokens"]
-    tokens = seq + min(spec.get("rejected_tokens", chosen), chosen) + 1
-    return tokens if 1 - tokens / (2 * seq) >= min_saving else None
+    from longdpo.data import tokens_through_model
+
+    prompt = spec["prompt_tokens"]
+    chosen = seq - prompt
+    tokens = tokens_through_model(prompt, chosen, min(spec.get("rejected_tokens", chosen), chosen), min_saving)
+    return tokens if tokens < 2 * seq else None
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.
