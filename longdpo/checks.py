@@ -13,8 +13,8 @@ import os
 
 from longdpo.config import Recipe, RecipeError, resolve_path, trainer_default
 from longdpo.data import check_data_args
-from longdpo.model import allocator, liger, padding_mask, shared_prompt
-from longdpo.model.build import check_model_args
+from longdpo.model import allocator, liger, offloading, padding_mask, shared_prompt
+from longdpo.model.build import check_model_args, load_architecture
 from longdpo.model.checkpointing import check_mlp_split, check_policy
 from longdpo.model.lora import check_lora_args
 from longdpo.model.sequence_parallel import check_sequence_parallel
@@ -39,7 +39,6 @@ def check_deepspeed_config(path: str) -> dict:
 def check_family(recipe: Recipe) -> None:
     """Levers that patch decoder modules need a family whose modules they know; the plain `layer` policy (and TRL's
     own flags) run on any causal LM. Checked on the model's config, before loading."""
-    from longdpo.model.build import load_architecture
     from longdpo.model.checkpointing import SUPPORTED_MODELS
 
     mem = recipe.memory
@@ -108,8 +107,6 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     with problems.check():
         check_policy(mem.checkpointing)
     if recipe.parallelism.sp_size != 1 and model_ok:
-        from longdpo.model.build import load_architecture
-
         d = recipe.data
         evaluating = bool(
             d.eval_files
@@ -124,6 +121,13 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
                 t,
                 recipe.model.attn_implementation,
                 evaluating=evaluating,
+            )
+    if model_ok:
+        with problems.check():
+            offloading.check(
+                mem.offload_keep_layers,
+                bool(t.get("activation_offloading")),
+                load_architecture(recipe.model).num_hidden_layers,
             )
     if mem.allocator_conf:
         with problems.check():

@@ -29,8 +29,9 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
                  apart on the real path where a configuration was measured there (fewer layers, less churn than
                  the 40-layer per-rank emulation); under ZeRO-3 the
                  optimizer phase leaves a gap of its own (gathers, buckets, sub-group buffers)
-  host           activation offloading: L x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching
-                 allocator rounds each block up to a power of two); ZeRO-3 CPU offload: 12 x P / R (optimizer)
+  host           activation offloading: (L - K) x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching
+                 allocator rounds each block up to a power of two; K = memory.offload_keep_layers, whose layer
+                 inputs stay on the GPU as T x K x H x 2 checkpointed bytes); ZeRO-3 CPU offload: 12 x P / R (optimizer)
                  and 2 x P / R per offloaded model's parameters per rank; times the ranks of a node
 
 The fitted numbers live in longdpo/planner/calibration.json (`python launch/plan_memory.py --calibrate` rebuilds it
@@ -76,6 +77,7 @@ class Setup:
     allocator_conf: str | None = None
     sp: int = 1  # sequence-parallel group size: each rank holds 1/sp of every sequence
     offload_pinned: bool = True  # pinned host blocks are rounded up to a power of two; pageable ones are not
+    offload_keep_layers: int = 0  # with offloading, layers whose checkpointed inputs stay on the GPU
     lora_params: int = 0  # LoRA: trainable adapter parameters (0: full fine-tuning)
     model_type: str = "mistral"
     pair_tokens: int | None = None  # data.shared_prompt: one row per pair, prompt + chosen + rejected + 1
@@ -247,7 +249,9 @@ def predict(
         gathered = 2.0 * max(s.layer_params, s.embed_params)
     else:  # one process, torch AdamW: param + grad + 2 moments in the parameter dtype (bf16)
         states, ref, step, gathered, gap = 8.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0, 0.0, 0.0
-    stored = s.tokens * s.layers * s.hidden * stored_bytes(s.config)
+    offloaded = s.config.endswith("+offload") and stored_bytes(s.config) == 0
+    keep = s.offload_keep_layers if offloaded else 0
+    stored = s.tokens * s.hidden * (s.layers * stored_bytes(s.config) + 2.0 * keep)
     per_token = s.tokens * coef["per_token_bytes"] * s.hidden / cal.get("hidden", s.hidden)
     backward = gathered + stored + per_token
     allocated = states + ref + max(backward, step)
@@ -257,7 +261,8 @@ def predict(
     host = 0.0
     if s.config.endswith("+offload"):
         block = s.tokens * s.hidden * 2
-        host += s.layers * (2 ** math.ceil(math.log2(block)) * cal["pinned_factor"] if s.offload_pinned else block)
+        per_layer = 2 ** math.ceil(math.log2(block)) * cal["pinned_factor"] if s.offload_pinned else block
+        host += (s.layers - keep) * per_layer
     if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
     host *= s.ranks_per_node
@@ -358,6 +363,7 @@ def setup_from_recipe(
         allocator_conf=mem.allocator_conf,
         sp=recipe.parallelism.sp_size,
         offload_pinned=mem.offload_pin_memory,
+        offload_keep_layers=mem.offload_keep_layers,
         lora_params=lora_params,
         model_type=getattr(arch, "model_type", "mistral"),
         pair_tokens=pair_tokens or shared_pair_tokens(recipe, planned_length(recipe, seq)),
@@ -428,12 +434,29 @@ def _candidates(s: Setup):
     yield f"max_length: {s.seq // 2}", replace(s, seq=s.seq // 2)
 
 
+def _fewest_kept_layers(s: Setup, cal: dict, gpu_memory_gb: float | None, host_memory_gb: float | None):
+    """Where offloaded activations overflow the host: the fewest layers kept on the GPU that make the run fit (no
+    speed cost: those copies are not made)."""
+    offloading = s.config.endswith("+offload") and stored_bytes(s.config) == 0
+    if not offloading or host_memory_gb is None or predict(s, cal).host_per_node_gb <= host_memory_gb:
+        return None
+    for keep in range(s.offload_keep_layers + 1, s.layers):
+        alt = predict(replace(s, offload_keep_layers=keep), cal, gpu_memory_gb, host_memory_gb)
+        if alt.fits:
+            change = f"memory.offload_keep_layers: {keep} (the last {keep} layers' activations stay on the GPU)"
+            return change, alt.peak_reserved_gb, alt.host_per_node_gb
+        if gpu_memory_gb is not None and alt.peak_reserved_gb > gpu_memory_gb:
+            return None
+    return None
+
+
 def suggest(
     s: Setup, gpu_memory_gb: float | None, cal: dict | None = None, host_memory_gb: float | None = None
 ) -> list[tuple[str, float, float]]:
     """Single changes that fit, cheapest first; when none does, the cheapest pairs of changes that do (up to 3)."""
     cal = cal or load_calibration()
-    out = []
+    kept = _fewest_kept_layers(s, cal, gpu_memory_gb, host_memory_gb)
+    out = [kept] if kept else []
     for change, alt in _candidates(s):
         alt_plan = predict(alt, cal, gpu_memory_gb, host_memory_gb)
         if alt_plan.fits:

@@ -294,6 +294,7 @@ class Run:
             sp=self.sp,
             shared_prompt=recipe.data.shared_prompt_min_saving if recipe.data.shared_prompt else None,
             offload_pin_memory=recipe.memory.offload_pin_memory,
+            offload_keep_layers=recipe.memory.offload_keep_layers,
         )
         if recipe.model.use_peft and self.is_main:
             logger.info(lora.trainable_summary(self.trainer.model))

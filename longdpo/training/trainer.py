@@ -11,14 +11,22 @@ from trl import DPOTrainer
 
 class RecipeDPOTrainer(DPOTrainer):
     def __init__(
-        self, *args, memory_callback, guard, sp=None, shared_prompt=None, offload_pin_memory: bool = True, **kwargs
+        self,
+        *args,
+        memory_callback,
+        guard,
+        sp=None,
+        shared_prompt=None,
+        offload_pin_memory: bool = True,
+        offload_keep_layers: int = 0,
+        **kwargs,
     ):
         self.recipe_memory, self.recipe_guard, self.recipe_sp = memory_callback, guard, sp
         super().__init__(*args, **kwargs)
         if self.args.activation_offloading:  # TRL's offloader, kept away from ZeRO-3 parameters, pinned or not
             from longdpo.model.offloading import offload_context
 
-            self.maybe_activation_offload_context = offload_context(self.model, offload_pin_memory)
+            self.maybe_activation_offload_context = offload_context(self.model, offload_pin_memory, offload_keep_layers)
             memory_callback.offload_ledger = self.maybe_activation_offload_context.ledger
         if sp:
             sp.wrap(self.model)  # TRL's fused-LM-head forwards, policy and reference

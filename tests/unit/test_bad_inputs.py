@@ -36,6 +36,8 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--model.dtype", "float64"], "`model.dtype` must be one of"),
         (["--activation_offloading", "true"], "set `activation_offloading: false`"),
         (["--memory.offload_pin_memory", "false"], "set `activation_offloading: true` too"),
+        (["--memory.offload_keep_layers", "1"], "keeps part of TRL's activation offloading on the GPU; set"),
+        (["--memory.offload_keep_layers", "-1"], "`memory.offload_keep_layers` must be a whole number >= 0"),
         (["--max_length", "1"], "`max_length` must be an integer >= 2"),
         (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size` must be a positive integer"),
         (["--data.global_batch_size", "6"], r"`data.global_batch_size: 6` is not a multiple of .* = 4"),
@@ -80,6 +82,12 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
 def test_bad_recipe_values(argv, message):
     with pytest.raises(RecipeError, match=message):
         check(*argv)
+
+
+def test_keeping_every_layer_on_the_gpu_is_no_offloading(gpu_packages):
+    with pytest.raises(RecipeError, match="keeps every one of the model's 2 layers on the GPU; set `activation_off"):
+        check("--activation_offloading", "true", "--memory.offload_keep_layers", "2", cuda=True)
+    check("--activation_offloading", "true", "--memory.offload_keep_layers", "1", cuda=True)
 
 
 def test_16_bit_formats_are_not_mixed(gpu_packages):

@@ -94,6 +94,14 @@ def test_zero3_arithmetic_by_hand():
     pageable = predict(Setup(**{**s.__dict__, "config": "stock+offload", "offload_pinned": False}), cal)
     assert pageable.host_per_node_gb == round(40 * tokens * 5120 * 2 * 8 / 1e9, 1)  # exact sizes, not rounded up
     assert pageable.peak_allocated_gb == offl.peak_allocated_gb
+    # memory.offload_keep_layers: K layer inputs move from the host to the GPU
+    kept = predict(
+        Setup(**{**s.__dict__, "config": "stock+offload", "offload_pinned": False, "offload_keep_layers": 3}), cal
+    )
+    assert kept.host_per_node_gb == round(37 * tokens * 5120 * 2 * 8 / 1e9, 1)
+    assert kept.breakdown["activations_checkpointed"] == round(3 * tokens * 5120 * 2 / 1e9, 2)
+    added = kept.activation_peak_gb - pageable.activation_peak_gb
+    assert abs(added - 3 * tokens * 5120 * 2 / 1e9) <= 0.01  # each figure rounded to 0.005 GB
 
 
 def test_every_committed_gpu_result_is_predicted_within_10_percent():
@@ -234,6 +242,18 @@ def test_cli_verdicts(capsys, monkeypatch):
     assert "DOES NOT FIT in 512 GB of host memory per node" in host.stdout
     first_fix = host.stdout.split("cheapest first):\n")[1].splitlines()[0]
     assert first_fix.startswith("    - memory.offload_pin_memory: false") and first_fix.endswith("host 430 GB per node")
+    # with GPU memory to spare, the fewest layers kept on the GPU that bring the host under its limit come first
+    roomy = cli(
+        "--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--gpus", "8", "--gpu-memory", "141GB", "--host-memory", "512GB"
+    )
+    fixes = roomy.stdout.split("cheapest first):\n")[1].splitlines()
+    keep = int(fixes[0].split("memory.offload_keep_layers: ")[1].split()[0])
+    host_of = lambda line: float(line.rsplit("host ", 1)[1].split()[0])  # noqa: E731
+    assert 0 < keep < 40 and host_of(fixes[0]) <= 512 and fixes[1].startswith("    - memory.offload_pin_memory: false")
+    fewer = cli(
+        "--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--gpus", "8", "--memory.offload_keep_layers", str(keep - 1)
+    )
+    assert float(fewer.stdout.split("host memory per node (offloaded)")[1].split()[0]) > 512
     assert cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--host-memory", "2TB").returncode == 2
     bad = subprocess.run(
         [
