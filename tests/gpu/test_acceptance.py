@@ -10,7 +10,8 @@ fit one GPU beside each other; each run a fresh process, several at once within 
   65,536 tokens; dpo_128k_sp8 runs sequence-parallel over 8 ranks, so one GPU runs its per-rank length, 16,384
   tokens, with `parallelism.sp_size 1`);
 - every lever alone on ZeRO-3 (checkpointing policies, lean norm, lean LM head, MLP chunks, TiledMLP, offloading
-  pinned and pageable, allocator settings, cache emptying) and the shipped combinations.
+  pinned and pageable, the last of two layers kept on the GPU, allocator settings, cache emptying) and the shipped
+  combinations.
 Asserted per run: exit 0, step-1 loss ln 2, finite losses, telemetry written, allocator setting read back where set,
 nothing parameter-shaped offloaded, planner within 10% of the measured peak reserved. Numerics, bf16: the step-1
 gradient norm (all parameter gradients, under ZeRO-3 where launched so) of every lever equals stock's, and the
@@ -141,6 +142,17 @@ RUNS = {
     "tiled_mlp": lever(**{"memory.tiled_mlp": "4"}),
     "offload": lever(activation_offloading="true"),
     "offload_pageable": lever(activation_offloading="true", **{"memory.offload_pin_memory": "false"}),
+    # the last of two layers' activations kept on the GPU, against both offloaded
+    "offload/2_layers": Run(
+        "dpo_12k.yaml", layers=2, overrides={**BASE, "activation_offloading": "true"}, compare=False
+    ),
+    "offload/2_layers/keep_1": Run(
+        "dpo_12k.yaml",
+        layers=2,
+        overrides={**BASE, "activation_offloading": "true", "memory.offload_keep_layers": "1"},
+        weight_gb=50,
+        compare=False,
+    ),
     "alloc_max_split_64": lever(**{"memory.allocator_conf": "max_split_size_mb:64"}),
     "alloc_expandable": lever(**{"memory.allocator_conf": "expandable_segments:True"}),
     "empty_cache": lever(**{"memory.empty_cache_steps": "1", "memory.empty_cache_microbatches": "1"}),
@@ -253,6 +265,7 @@ EXACT = {
     },
     "stock+offload+liger": "liger",
     "dpo_12k/accelerate": "dpo_12k/deepspeed",
+    "offload/2_layers/keep_1": "offload/2_layers",
 }
 # run -> the run on the same pairs whose step-1 gradient norm it must give: the mask dropped (right padding under
 # causal attention) against TRL's mask; another attention kernel, so bf16 rounding: held to the norm only
@@ -498,6 +511,15 @@ def test_offloading_copies_activations_and_no_parameter(runs, name):
     records = runs[name]["records"]
     assert records and all(x.get("offloaded_gb", 0) > 0 for x in records), records
     assert all(x["offloaded_param_shaped"] == 0 for x in records), records
+
+
+def test_kept_layers_are_not_offloaded(runs):
+    """memory.offload_keep_layers: 1 of 2 layers: the layer inputs are most of what is offloaded (one block of
+    tokens x hidden x 2 bytes per layer), so about half as many bytes go to the host, and not none."""
+    full = [x["offloaded_gb"] for x in runs["offload/2_layers"]["records"]]
+    kept = [x["offloaded_gb"] for x in runs["offload/2_layers/keep_1"]["records"]]
+    print(f"offloaded per step, 2 layers: {full} GB; the last layer kept on the GPU: {kept} GB")
+    assert full and kept and all(0 < k < 0.6 * f for k, f in zip(kept, full))
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r.compare and n != "stock"])
