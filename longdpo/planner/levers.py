@@ -109,6 +109,7 @@ for _n in (2, 3, 8):
         CONFIGS[f"layer+liger+chunked{_n}+head+offload"], lean_norm=True
     )
 # Each pair's prompt computed once, on our leanest Liger configuration and on the library-only setup's levers.
-CONFIGS["layer+liger+chunked8+head+offload+shared"] = replace(
-    CONFIGS["layer+liger+chunked8+head+offload"], shared_prompt=True
-)
+for _n in (3, 8):
+    CONFIGS[f"layer+liger+chunked{_n}+head+offload+shared"] = replace(
+        CONFIGS[f"layer+liger+chunked{_n}+head+offload"], shared_prompt=True
+    )
