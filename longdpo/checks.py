@@ -127,7 +127,7 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
             offloading.check(
                 mem.offload_keep_layers,
                 bool(t.get("activation_offloading")),
-                load_architecture(recipe.model).num_hidden_layers,
+                lambda: load_architecture(recipe.model).num_hidden_layers,
             )
     if mem.allocator_conf:
         with problems.check():

@@ -50,7 +50,8 @@ class _Kept:
         self.tensor = tensor
 
 
-def check(keep_layers, offloading: bool, layers: int) -> None:
+def check(keep_layers, offloading: bool, num_layers) -> None:
+    """`num_layers`: a callable giving the model's layer count (read from its config only when layers are kept)."""
     if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or keep_layers < 0:
         raise RecipeError(f"`memory.offload_keep_layers` must be a whole number >= 0, got {keep_layers!r}.")
     if keep_layers and not offloading:
@@ -58,7 +59,8 @@ def check(keep_layers, offloading: bool, layers: int) -> None:
             "`memory.offload_keep_layers` keeps part of TRL's activation offloading on the GPU; set "
             "`activation_offloading: true` too, or drop it."
         )
-    if keep_layers >= layers:
+    layers = num_layers() if keep_layers else 0
+    if keep_layers and keep_layers >= layers:
         raise RecipeError(
             f"`memory.offload_keep_layers: {keep_layers}` keeps every one of the model's {layers} layers on the GPU; "
             f"set `activation_offloading: false` instead, or keep fewer than {layers}."
