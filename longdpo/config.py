@@ -154,9 +154,9 @@ class MemoryArgs:
         host memory (TRL's default: asynchronous copies, but torch's pinned cache rounds each block up to a power of
         two: 1.34 GB -> 2 GB at 64k). False: pageable memory, exact sizes, slower copies; for runs whose offload would
         not fit in host RAM (see launch/plan_memory.py's host figure).
-    offload_keep_layers (int, defaults to 0): with `activation_offloading`, the saved activations of the last this
-        many decoder layers stay on the GPU: less host memory, more GPU memory (one layer input, tokens x hidden x 2
-        bytes, per layer kept; launch/plan_memory.py prices both). For runs whose host RAM is the limit.
+    offload_keep_layers (int, defaults to 0): with `activation_offloading`, the saved activations of the last N
+        decoder layers stay on the GPU: less host memory, more GPU memory (one layer input, tokens x hidden x 2 bytes,
+        per layer kept; launch/plan_memory.py prices both). For runs whose host RAM is the limit.
     allocator_conf (str, defaults to None): PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64".
         Applied before CUDA initialises; overrides the environment's value (the log says which won).
     empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps. Setting

@@ -175,6 +175,11 @@ def stored_bytes(config: str) -> float:
     return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
 
 
+def offloads_layer_inputs(config: str) -> bool:
+    """TRL's offloading of the layer checkpoint's inputs: what `memory.offload_keep_layers` keeps part of."""
+    return config.endswith("+offload") and stored_bytes(config) == 0
+
+
 def allocator_key(s: Setup, with_config: bool = True) -> str | None:
     """Allocator factors are fitted per setting, mode and configuration: max_split_size_mb:64 scaled what is not
     resident 2.5x under real ZeRO-3 with norm_attn_mlp (4 layers), 1.5x with stock's layer checkpointing (1 layer),
@@ -249,8 +254,7 @@ def predict(
         gathered = 2.0 * max(s.layer_params, s.embed_params)
     else:  # one process, torch AdamW: param + grad + 2 moments in the parameter dtype (bf16)
         states, ref, step, gathered, gap = 8.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0, 0.0, 0.0
-    offloaded = s.config.endswith("+offload") and stored_bytes(s.config) == 0
-    keep = s.offload_keep_layers if offloaded else 0
+    keep = s.offload_keep_layers if offloads_layer_inputs(s.config) else 0
     stored = s.tokens * s.hidden * (s.layers * stored_bytes(s.config) + 2.0 * keep)
     per_token = s.tokens * coef["per_token_bytes"] * s.hidden / cal.get("hidden", s.hidden)
     backward = gathered + stored + per_token
@@ -437,8 +441,9 @@ def _candidates(s: Setup):
 def _fewest_kept_layers(s: Setup, cal: dict, gpu_memory_gb: float | None, host_memory_gb: float | None):
     """Where offloaded activations overflow the host: the fewest layers kept on the GPU that make the run fit (no
     speed cost: those copies are not made)."""
-    offloading = s.config.endswith("+offload") and stored_bytes(s.config) == 0
-    if not offloading or host_memory_gb is None or predict(s, cal).host_per_node_gb <= host_memory_gb:
+    if not offloads_layer_inputs(s.config) or host_memory_gb is None:
+        return None
+    if predict(s, cal).host_per_node_gb <= host_memory_gb:
         return None
     for keep in range(s.offload_keep_layers + 1, s.layers):
         alt = predict(replace(s, offload_keep_layers=keep), cal, gpu_memory_gb, host_memory_gb)
