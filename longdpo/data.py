@@ -376,13 +376,17 @@ def _tokenized(tokenizer, row: dict, with_prompt: bool = True):
     return prompt, full
 
 
-def prompt_tokens(tokenizer, row: dict) -> int:
+def _prompt_length(prompt: list[int], full: list[list[int]]) -> int:
     """The prompt's length in tokens as TRL counts it when it drops pairs: the tokens the prompt shares with
     prompt + chosen and prompt + rejected."""
     from trl.data_utils import common_prefix_length
 
-    prompt, full = _tokenized(tokenizer, row)
     return min(common_prefix_length(prompt, ids) for ids in full)
+
+
+def prompt_tokens(tokenizer, row: dict) -> int:
+    """One pair's prompt length in tokens, as TRL counts it."""
+    return _prompt_length(*_tokenized(tokenizer, row))
 
 
 def longest_pair(tokenizer, dataset) -> int:
@@ -396,12 +400,10 @@ def costliest_pair_tokens(tokenizer, dataset, max_length: int | None, min_saving
     """With `data.shared_prompt` and one pair per batch: the most tokens one pair puts through the model, as its shared
     row (prompt + chosen + rejected + 1) where that saves `min_saving`, else as TRL's two rows; cut by `max_length` as
     TRL's collator cuts it. What the planner plans for, instead of two rows of `max_length`."""
-    from trl.data_utils import common_prefix_length
-
     costliest = 0
     for row in dataset:
         prompt, full = _tokenized(tokenizer, row)
-        p = min(common_prefix_length(prompt, ids) for ids in full)
+        p = _prompt_length(prompt, full)
         if max_length is not None and p >= max_length:
             continue  # TRL drops the pair
         c, r = (len(ids) - p for ids in full)
@@ -434,10 +436,9 @@ def plan_on_data(recipe) -> bool:
 
 
 def measured_for_plan(recipe, tokenizer, dataset) -> tuple[int | None, int | None]:
-    """(seq, pair_tokens) for the planner, measured on the pairs where `plan_on_data` says so: the longest pair where
-    `max_length` is null, the costliest pair's tokens with `data.shared_prompt`; None where the recipe says it."""
-    if not plan_on_data(recipe):
-        return None, None
+    """(seq, pair_tokens) for the planner, measured on the pairs (call it where `plan_on_data` says so): the longest
+    pair where `max_length` is null, the costliest pair's tokens with `data.shared_prompt`; None where the recipe
+    says it."""
     max_length = recipe.trainer.get("max_length", trainer_default("max_length"))
     seq = longest_pair(tokenizer, dataset) if max_length is None else None
     pair_tokens = None

@@ -59,8 +59,7 @@ def check(keep_layers, offloading: bool, num_layers) -> None:
             "`memory.offload_keep_layers` keeps part of TRL's activation offloading on the GPU; set "
             "`activation_offloading: true` too, or drop it."
         )
-    layers = num_layers() if keep_layers else 0
-    if keep_layers and keep_layers >= layers:
+    if keep_layers and keep_layers >= (layers := num_layers()):
         raise RecipeError(
             f"`memory.offload_keep_layers: {keep_layers}` keeps every one of the model's {layers} layers on the GPU; "
             f"set `activation_offloading: false` instead, or keep fewer than {layers}."
