@@ -143,13 +143,24 @@ RUNS = {
     "offload": lever(activation_offloading="true"),
     "offload_pageable": lever(activation_offloading="true", **{"memory.offload_pin_memory": "false"}),
     # the last of two layers' activations kept on the GPU, against both offloaded
+    # pageable host memory: TRL copies on the compute stream, so keeping a layer on the GPU must not move a single
+    # bit (with pinned memory TRL copies on a side stream and the step-1 gradient norm already moves in the 7th
+    # digit: 1312.2693 against stock's 1312.2694 on 1 layer, 1674.2520 against 1674.2504 on these 2 layers)
     "offload/2_layers": Run(
-        "dpo_12k.yaml", layers=2, overrides={**BASE, "activation_offloading": "true"}, compare=False
+        "dpo_12k.yaml",
+        layers=2,
+        overrides={**BASE, "activation_offloading": "true", "memory.offload_pin_memory": "false"},
+        compare=False,
     ),
     "offload/2_layers/keep_1": Run(
         "dpo_12k.yaml",
         layers=2,
-        overrides={**BASE, "activation_offloading": "true", "memory.offload_keep_layers": "1"},
+        overrides={
+            **BASE,
+            "activation_offloading": "true",
+            "memory.offload_pin_memory": "false",
+            "memory.offload_keep_layers": "1",
+        },
         weight_gb=50,
         compare=False,
     ),
@@ -514,12 +525,17 @@ def test_offloading_copies_activations_and_no_parameter(runs, name):
 
 
 def test_kept_layers_are_not_offloaded(runs):
-    """memory.offload_keep_layers: 1 of 2 layers: the layer inputs are most of what is offloaded (one block of
-    tokens x hidden x 2 bytes per layer), so about half as many bytes go to the host, and not none."""
+    """memory.offload_keep_layers: 1 of 2 layers: at least the kept layer's checkpointed input (tokens x hidden x 2
+    bytes: 2 x 4,096 x 5,120 x 2 = 0.0839 GB) no longer goes to the host, and the first layer's and the tensors
+    around the layers still do (at 4k tokens on 2 layers the LM head's and the loss's saved tensors are most of what
+    is offloaded: 0.48 GB a step in all)."""
     full = [x["offloaded_gb"] for x in runs["offload/2_layers"]["records"]]
     kept = [x["offloaded_gb"] for x in runs["offload/2_layers/keep_1"]["records"]]
     print(f"offloaded per step, 2 layers: {full} GB; the last layer kept on the GPU: {kept} GB")
-    assert full and kept and all(0 < k < 0.6 * f for k, f in zip(kept, full))
+    layer_input = 2 * SHORT * 5120 * 2 / 1e9
+    assert full and len(kept) == len(full)
+    # telemetry rounds to 1e-4 GB: allow that twice
+    assert all(k >= layer_input - 2e-4 and f - k >= layer_input - 2e-4 for k, f in zip(kept, full)), (full, kept)
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r.compare and n != "stock"])
