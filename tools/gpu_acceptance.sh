@@ -2,7 +2,9 @@
 # The GPU acceptance suite (tests/gpu) in one command, on a machine with one GPU of 140+ GB (an H200) and no network
 # access needed: the pinned packages come from a local wheelhouse in ./.whl when they are not installed
 # (tools/offline_env.sh). Writes the full output, GPU name and commit first, to the log (default
-# results/gpu_acceptance/latest.log; commit it). About 6 minutes on an H200.
+# results/gpu_acceptance/latest.log; commit it). About 7 minutes on an H200. On an 80 GB H100 the 1-layer 12B runs
+# (about 46 GB each) go one at a time, so the whole suite takes longer: run it in parts there, e.g.
+# GPU_ACCEPTANCE_ONLY=offload/2_layers,unequal,long-prompt (11 runs with stock: 6.3 minutes on an H100).
 #   bash tools/gpu_acceptance.sh [LOG]
 set -uo pipefail
 cd "$(dirname "$0")/.."

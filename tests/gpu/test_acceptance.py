@@ -49,8 +49,13 @@ SHORT = 4096
 UNEQUAL = 4160  # 64 mod 128 (PyTorch issue 196678: cuDNN attention's backward with a mask at such lengths)
 STEPS = 3
 RUN_TIMEOUT_S = 420
-# GPU memory the concurrent runs may take together (GB): the H200 has 150 GB; each run is given a weight below
-BUDGET_GB = float(os.environ.get("GPU_ACCEPTANCE_BUDGET_GB", 145))
+# GPU memory the concurrent runs may take together (GB), each run weighted below: the card's memory less 5 GB for
+# the processes' CUDA contexts (an H200: 145 of 150.7 GB; an H100 80GB: 80.5 of 85.5 GB, where the 1-layer runs go
+# one at a time beside the small ones)
+BUDGET_GB = float(
+    os.environ.get("GPU_ACCEPTANCE_BUDGET_GB")
+    or (torch.cuda.get_device_properties(0).total_memory / 1e9 - 5 if torch.cuda.is_available() else 0)
+)
 OUT = os.environ.get("GPU_ACCEPTANCE_OUT") or os.path.join("/tmp", "gpu_acceptance")
 
 
