@@ -217,34 +217,6 @@ def rotate(output_dir: str, keep: int | None, best: str | None = None) -> None:
 # ---- disk ----------------------------------------------------------------------------------------------------------
 
 
-def checkpoint_bytes(params: int, dtype_bytes: int, zero3: bool, with_optimizer: bool, lora_params: int = 0) -> float:
-    """One checkpoint's size. With LoRA (`lora_params` adapter parameters) it holds the fp32 adapters and their
-    optimizer state only, not the frozen weights."""
-    if lora_params:
-        params, dtype_bytes = lora_params, 4
-    weights = params * dtype_bytes
-    if not with_optimizer:
-        return weights
-    return weights + (16 * params if zero3 else 2 * dtype_bytes * params)
-
-
-def checkpoints_kept(trainer: dict) -> int:
-    """How many checkpoints the run holds on disk at once (0 when it saves none)."""
-    strategy = str(trainer.get("save_strategy", "steps"))
-    if strategy == "no":
-        return 0
-    limit = trainer.get("save_total_limit")
-    max_steps = trainer.get("max_steps", -1)
-    saves = None
-    if strategy == "steps" and max_steps and max_steps > 0:
-        every = trainer.get("save_steps", 500)
-        every = every if every >= 1 else max(1, math.ceil(every * max_steps))  # a fraction of the run
-        saves = max(1, max_steps // every)
-    if limit:
-        return min(limit, saves) if saves else limit
-    return saves or 1
-
-
 def free_bytes(output_dir: str) -> int:
     path = os.path.abspath(output_dir)
     while not os.path.exists(path):
@@ -278,7 +250,7 @@ def disk_check(recipe, output_dir: str, final_save: bool) -> str | None:
     error when not even one fits, a warning line (returned) when not all kept ones do."""
     from longdpo.checks import check_deepspeed_config
     from longdpo.model.build import load_architecture
-    from longdpo.planner.plan import count_params
+    from longdpo.planner.plan import checkpoint_bytes, checkpoints_kept, count_params
 
     try:
         params = count_params(load_architecture(recipe.model))[0]

@@ -101,7 +101,7 @@ class Plan:
     gpu_memory_gb: float | None = None
     host_memory_gb: float | None = None  # per node
     suggestions: list = field(default_factory=list)  # (change, predicted reserved GB, host GB per node)
-    checkpoint_gb: float | None = None  # one checkpoint on disk (longdpo/cluster/resilience.py)
+    checkpoint_gb: float | None = None  # one checkpoint on disk (checkpoint_bytes)
     checkpoints_kept: int = 0
 
     def limits(self):
@@ -481,6 +481,34 @@ def suggest(
     return out
 
 
+def checkpoint_bytes(params: int, dtype_bytes: int, zero3: bool, with_optimizer: bool, lora_params: int = 0) -> float:
+    """One checkpoint's size. With LoRA (`lora_params` adapter parameters) it holds the fp32 adapters and their
+    optimizer state only, not the frozen weights."""
+    if lora_params:
+        params, dtype_bytes = lora_params, 4
+    weights = params * dtype_bytes
+    if not with_optimizer:
+        return weights
+    return weights + (16 * params if zero3 else 2 * dtype_bytes * params)
+
+
+def checkpoints_kept(trainer: dict) -> int:
+    """How many checkpoints the run holds on disk at once (0 when it saves none)."""
+    strategy = str(trainer.get("save_strategy", "steps"))
+    if strategy == "no":
+        return 0
+    limit = trainer.get("save_total_limit")
+    max_steps = trainer.get("max_steps", -1)
+    saves = None
+    if strategy == "steps" and max_steps and max_steps > 0:
+        every = trainer.get("save_steps", 500)
+        every = every if every >= 1 else max(1, math.ceil(every * max_steps))  # a fraction of the run
+        saves = max(1, max_steps // every)
+    if limit:
+        return min(limit, saves) if saves else limit
+    return saves or 1
+
+
 def plan(
     recipe: Recipe,
     gpus: int,
@@ -491,15 +519,13 @@ def plan(
     seq: int | None = None,
     pair_tokens: int | None = None,
 ) -> Plan:
-    from longdpo.cluster import resilience
-
     s = setup_from_recipe(recipe, gpus, nodes, ds_config, seq, pair_tokens)
     result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
     t = recipe.trainer
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
-    one = resilience.checkpoint_bytes(s.params, dtype_bytes, s.zero3, not t.get("save_only_model"), s.lora_params)
+    one = checkpoint_bytes(s.params, dtype_bytes, s.zero3, not t.get("save_only_model"), s.lora_params)
     result.checkpoint_gb = round(one / GB, 1)
-    result.checkpoints_kept = resilience.checkpoints_kept(t)
+    result.checkpoints_kept = checkpoints_kept(t)
     if result.fits is False:
         result.suggestions = suggest(s, gpu_memory_gb, host_memory_gb=host_memory_gb)
     return result

@@ -15,6 +15,7 @@ from conftest import BIN, FAULTS, ROOT, TRAIN, ZERO3, free_port, job_env, launch
 from longdpo.cluster import resilience
 from longdpo.cluster.distributed import run_job
 from longdpo.config import RecipeError
+from longdpo.planner.plan import checkpoint_bytes, checkpoints_kept
 
 ARGS = ["--max_steps", "6", "--save_steps", "2", "--report_to", "none"]
 
@@ -123,13 +124,13 @@ def test_disk_too_small_for_one_checkpoint_stops_before_loading(tmp_path):
 
 def test_disk_arithmetic(monkeypatch):
     p = 12_250_000_000  # Mistral-NeMo 12B
-    one = resilience.checkpoint_bytes(p, 2, zero3=True, with_optimizer=True)
+    one = checkpoint_bytes(p, 2, zero3=True, with_optimizer=True)
     assert one / 1e9 == pytest.approx(220.5)  # 16 B/param of ZeRO states + the 16-bit model
-    assert resilience.checkpoint_bytes(p, 2, zero3=False, with_optimizer=False) == 2 * p
-    assert resilience.checkpoints_kept({"save_strategy": "no"}) == 0
-    assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 10, "save_total_limit": 2}) == 2
-    assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 10}) == 10
-    assert resilience.checkpoints_kept({"max_steps": 100, "save_steps": 0.25}) == 4
+    assert checkpoint_bytes(p, 2, zero3=False, with_optimizer=False) == 2 * p
+    assert checkpoints_kept({"save_strategy": "no"}) == 0
+    assert checkpoints_kept({"max_steps": 100, "save_steps": 10, "save_total_limit": 2}) == 2
+    assert checkpoints_kept({"max_steps": 100, "save_steps": 10}) == 10
+    assert checkpoints_kept({"max_steps": 100, "save_steps": 0.25}) == 4
     monkeypatch.setattr(resilience, "free_bytes", lambda output_dir: int(500e9))
     assert resilience.check_disk("/tmp/x", one, 1, 2 * p) is None
     warning = resilience.check_disk("/tmp/x", one, 3, 2 * p)
