@@ -148,9 +148,9 @@ RUNS = {
     "offload": lever(activation_offloading="true"),
     "offload_pageable": lever(activation_offloading="true", **{"memory.offload_pin_memory": "false"}),
     # the last of two layers' activations kept on the GPU, against both offloaded
-    # pageable host memory: TRL copies on the compute stream, so keeping a layer on the GPU must not move a single
-    # bit (with pinned memory TRL copies on a side stream and the step-1 gradient norm already moves in the 7th
-    # digit: 1312.2693 against stock's 1312.2694 on 1 layer, 1674.2520 against 1674.2504 on these 2 layers)
+    # pageable host memory: TRL's copies finish inside its hook, and offloading matched stock to every logged digit
+    # on 1 layer; with pinned memory they run asynchronously on a side stream and the step-1 gradient norm moved in
+    # the 7th digit (1312.2693 against stock's 1312.2694 on 1 layer, 1674.2520 against 1674.2504 on these 2 layers)
     "offload/2_layers": Run(
         "dpo_12k.yaml",
         layers=2,
