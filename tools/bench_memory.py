@@ -2,8 +2,8 @@
 
 For each sequence length and named configuration it runs a few DPO steps of synthetic pairs of exactly that length
 and records, from the run's own memory.jsonl (steps after the first): peak allocated, peak reserved,
-fragmentation gap, median step time, tokens/s, host RSS and pinned host memory. `stock` and ours run in the same
-invocation on the same GPU, so ratios are honest.
+fragmentation gap, median step time, tokens/s, host RSS, pinned host memory and the step's host peak. `stock` and
+ours run in the same invocation on the same GPU, so ratios are honest.
 
     # the real path: ZeRO-3 + AdamW, fewer layers so model states fit one GPU
     python tools/bench_memory.py --gpus 1 --layers 4 --seq-tokens 12288 \
@@ -107,6 +107,7 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
         "tokens_per_s": agg("tokens_per_s", median),
         "host_rss_gb": agg("host_rss_gb", max),
         "host_pinned_gb": agg("host_pinned_gb", max),
+        "host_peak_gb": agg("host_peak_gb", max),
         "alloc_retries": agg("alloc_retries", max),
         "steps_measured": len(steady),
         # every step, the first included: its optimizer step allocates the optimizer state
@@ -247,21 +248,21 @@ def render_table(results: list[dict]) -> str:
 
     lines = [
         "| Seqlen | Workload | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | "
-        "Frag gap (GB) | Step Time (s) | Real tokens/s | MFU | Host RSS (GB) | Pinned host (GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Frag gap (GB) | Step Time (s) | Real tokens/s | MFU | Host RSS (GB) | Pinned host (GB) | Host peak (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         head = f"| {r['seq_tokens']} | {r.get('workload', 'equal')} | {r['config']} |"
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
             status = "OOM" if r["oom"] else "timed out" if r["rc"] == 124 else f"failed (rc {r['rc']})"
-            lines.append(f"{head} {status} | | | | | | | | |")
+            lines.append(f"{head} {status} | | | | | | | | | |")
             continue
         lines.append(
             f"{head} {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
             f"{f(r['peak_reserved_gb'])} | "
             f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | "
             f"{f(r.get('mfu'), '.1%')} | "
-            f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} |"
+            f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} | {f(r.get('host_peak_gb'))} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -5,7 +5,9 @@ constructor applies `memory.allocator_conf` (longdpo/model/allocator.py) and rec
 
 Per optimizer step, on every rank, it measures peak allocated / peak reserved / fragmentation gap (reserved -
 allocated at peak) / allocator retries and OOMs / host RSS and pinned host memory / step time / real (unpadded)
-tokens per second. Rank 0 logs the max over ranks to `memory.jsonl` in the output dir and into the Trainer logs
+tokens per second, and the step's peak host memory (`host_peak_gb`: the process's peak resident set since the step
+began, read on Linux from /proc; RSS read at the step's end misses pageable offloading, whose host copies are freed
+by then). Rank 0 logs the max over ranks to `memory.jsonl` in the output dir and into the Trainer logs
 (so TensorBoard). Peaks are reset at each step start. At the end: `memory_summary.md` (NeMo-RL PR #926's table format)
 and `memory.png`.
 """
@@ -16,6 +18,7 @@ import gc
 import json
 import logging
 import os
+import re
 import time
 
 import torch
@@ -37,6 +40,7 @@ _REDUCED = (
     "ooms",
     "host_rss_gb",
     "host_pinned_gb",
+    "host_peak_gb",
     "step_time_s",
 )
 
@@ -45,6 +49,27 @@ def empty_cache() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _restart_host_peak() -> bool:
+    """Linux: restart this process's peak resident set (VmHWM), so that the step's own peak can be read at its end.
+    False where that cannot be done (another OS, or /proc read-only)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _host_peak() -> float | None:
+    """GB: this process's peak resident set since the last restart (VmHWM of /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            found = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found.group(1)) * 1024 / GB if found else None
 
 
 def _host_memory() -> tuple[float, float | None]:
@@ -68,6 +93,7 @@ class MemoryCallback(TrainerCallback):
         self.records: list[dict] = []
         self._microbatches = 0
         self._step_start = 0.0
+        self._host_peak_restarted = False
         self._tokens_at_start = 0
         self._snapshotting = False
         self.offload_ledger = None  # recipes/offloading.Ledger when activations are offloaded
@@ -130,6 +156,7 @@ class MemoryCallback(TrainerCallback):
             if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
                 torch.cuda.reset_peak_host_memory_stats()
         self._tokens_at_start = state.num_input_tokens_seen
+        self._host_peak_restarted = _restart_host_peak()
         self._step_start = time.perf_counter()
         self._phase_peaks = None
 
@@ -148,6 +175,7 @@ class MemoryCallback(TrainerCallback):
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._step_start
         rss, pinned = _host_memory()
+        host_peak = _host_peak() if self._host_peak_restarted else None
         peak_alloc = peak_res = retries = ooms = 0.0
         if self._cuda():
             stats = torch.cuda.memory_stats()
@@ -157,7 +185,17 @@ class MemoryCallback(TrainerCallback):
                 peak_alloc = max(peak_alloc, self._phase_peaks[0][0] / GB)
                 peak_res = max(peak_res, self._phase_peaks[0][1] / GB)
             retries, ooms = stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
-        values = [peak_alloc, peak_res, peak_res - peak_alloc, retries, ooms, rss, pinned or 0.0, elapsed]
+        values = [
+            peak_alloc,
+            peak_res,
+            peak_res - peak_alloc,
+            retries,
+            ooms,
+            rss,
+            pinned or 0.0,
+            host_peak or 0.0,
+            elapsed,
+        ]
         reduced = dict(zip(_REDUCED, max_over_ranks(values)))
         tokens = state.num_input_tokens_seen - self._tokens_at_start  # gathered over ranks by the Trainer
         record = {
@@ -171,6 +209,8 @@ class MemoryCallback(TrainerCallback):
             "allocator_conf": self.allocator["allocator_conf"],
             "cuda": self._cuda(),
         }
+        if host_peak is None:
+            record["host_peak_gb"] = None
         if not self._cuda():  # no GPU: the GPU fields mean nothing
             for k in (
                 "peak_allocated_gb",
@@ -230,6 +270,7 @@ class MemoryCallback(TrainerCallback):
             "alloc_retries",
             "host_rss_gb",
             "host_pinned_gb",
+            "host_peak_gb",
             "step_time_s",
             "tokens_per_s",
         )
@@ -255,16 +296,18 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
     conf = records[-1].get("allocator_conf") or "default"
     if any(r.get("peak_allocated_gb") is not None for r in records):
         table = (
-            "| Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Step Time (s) | Tokens/s |\n"
-            "|---|---|---|---|---|---|\n"
+            "| Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Host peak (GB) | Step Time (s) | "
+            "Tokens/s |\n|---|---|---|---|---|---|---|\n"
             f"| allocator {conf} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
-            f"{fmt('frag_gap_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n"
+            f"{fmt('frag_gap_gb', max)} | {fmt('host_peak_gb', max)} | {fmt('step_time_s', med)} | "
+            f"{fmt('tokens_per_s', med)} |\n"
         )
     else:  # a CPU run: no GPU memory to report, so what there is
         table = (
             "No GPU on this machine: GPU memory is not measured; host memory and time are.\n\n"
-            "| Host RSS (GB) | Step Time (s) | Tokens/s |\n|---|---|---|\n"
-            f"| {fmt('host_rss_gb', max)} | {fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} |\n"
+            "| Host RSS (GB) | Host peak (GB) | Step Time (s) | Tokens/s |\n|---|---|---|---|\n"
+            f"| {fmt('host_rss_gb', max)} | {fmt('host_peak_gb', max)} | {fmt('step_time_s', med)} | "
+            f"{fmt('tokens_per_s', med)} |\n"
         )
     path = os.path.join(output_dir, "memory_summary.md")
     with open(path, "w") as f:
@@ -277,7 +320,7 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
 def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
     """One picture of the run, each quantity on an axis it can be read on: the DPO loss (with ln 2, where policy =
     reference), the reward margin, the reward accuracy (0 to 1) and memory per step (GPU peak allocated / reserved
-    where there is a GPU, host RSS; from 0). Markers only on short runs, where they show the steps."""
+    where there is a GPU, the host's peak; from 0). Markers only on short runs, where they show the steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,11 +354,12 @@ def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
         mem.set_title("Memory per step")
     else:
         mem.set_title("Memory per step (no GPU: host memory only)")
-    mem.plot(steps, [r["host_rss_gb"] for r in records], color="tab:brown", label="host RSS", **style)
+    # the step's host peak where it was read (Linux), else RSS at the step's end
+    host = "host_peak_gb" if all(r.get("host_peak_gb") is not None for r in records) else "host_rss_gb"
+    mem.plot(steps, [r[host] for r in records], color="tab:brown", label=host[:-3].replace("_", " "), **style)
     mem.set_ylim(
         bottom=0,
-        top=max(1e-3, *(v for r in records for v in (r.get("peak_reserved_gb"), r["host_rss_gb"]) if v is not None))
-        * 1.15,
+        top=max(1e-3, *(v for r in records for v in (r.get("peak_reserved_gb"), r[host]) if v is not None)) * 1.15,
     )
     mem.set_ylabel("GB (max over ranks)")
     mem.legend(fontsize=8, loc="lower right")
