@@ -20,6 +20,7 @@ from longdpo.planner.plan import (
     allocator_key,
     config_name,
     count_params,
+    offloads_layer_inputs,
     predict,
     shared_tokens,
 )
@@ -174,7 +175,7 @@ def acceptance_rows(path: str):
 
 def calibrate() -> dict:
     """Fit per-configuration coefficients on the emulate-mode rows (pure activations); allocator factors on rows
-    that set an allocator; the pinned-memory factor on rows with offloading."""
+    that set an allocator; the host memory of offloading on rows that offloaded."""
     zero = {"configs": {}, "allocator_factors": {}, "pinned_factor": 1.0}  # fits one config at a time
     # each row's Setup rebuilt once (a recipe and an architecture read per row), then shared by every fit below
     rows = [(env, row, src, setup_from_result(env, row)) for env, row, src in measured_rows()]
@@ -188,7 +189,6 @@ def calibrate() -> dict:
         "allocator_factors": {},
         "pinned_factor": 1.0,
     }
-    pinned = []
     for config, items in by_config.items():
         base = {**zero, "configs": {config: {"per_token_bytes": 0.0, "reserved_factor": 1.0}}}
         # least squares through the origin: residual = per_token_bytes x tokens
@@ -196,9 +196,6 @@ def calibrate() -> dict:
         for s, row, _ in items:
             residual = row["peak_allocated_gb"] * 1e9 - predict(s, base).peak_allocated_gb * 1e9
             num, den = num + residual * s.tokens, den + s.tokens**2
-            if row.get("host_pinned_gb") and config.endswith("+offload") and s.offload_pinned:
-                block = 2 ** math.ceil(math.log2(s.tokens * s.hidden * 2))
-                pinned.append(row["host_pinned_gb"] * 1e9 / (s.layers * block))
         factors = []
         for s, row, _ in items:
             fixed = resident(s, base)
@@ -211,7 +208,7 @@ def calibrate() -> dict:
         }
     fit_zero3_reserved(rows, cal)
     cal["lora"] = fit_lora(cal)
-    cal["pinned_factor"] = round(sum(pinned) / len(pinned), 4) if pinned else 1.0
+    cal.update(fit_host(rows))
     cal["zero3"] = fit_zero3(rows, cal)
     ratios: dict[str, list] = {}
     for _env, row, _src, s in rows:
@@ -221,6 +218,30 @@ def calibrate() -> dict:
             ratios.setdefault(allocator_key(s), []).append((row["peak_reserved_gb"] - fixed) / (unfactored - fixed))
     cal["allocator_factors"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(ratios.items())}
     return cal
+
+
+def fit_host(rows) -> dict:
+    """Host memory of activation offloading, from rows that offloaded the layer inputs (TRL's offloader, one pair
+    per step): the blocks of tokens x hidden x 2 bytes copied beyond the layer inputs (`offloaded_gb` counts the
+    bytes exactly: the final norm's and the LM head's inputs, saved after the last layer, make about 2 more), pinned
+    memory over those blocks rounded up to powers of two, and the process's own resident memory beside its pinned
+    blocks (Python, torch, CUDA, DeepSpeed)."""
+    extra, pinned, process = [], [], []
+    for _env, row, _src, s in rows:
+        if not (s.config.endswith("+offload") and offloads_layer_inputs(s.config) and row.get("offloaded_gb")):
+            continue
+        block = s.tokens * s.hidden * 2
+        extra.append(row["offloaded_gb"] * 1e9 / block - (s.layers - s.offload_keep_layers))
+        if s.offload_pinned and row.get("host_pinned_gb") and row.get("host_rss_gb"):
+            blocks = s.layers - s.offload_keep_layers + extra[-1]
+            pinned.append(row["host_pinned_gb"] * 1e9 / (blocks * 2 ** math.ceil(math.log2(block))))
+            process.append(row["host_rss_gb"] - row["host_pinned_gb"])
+    mean = lambda v, default: round(sum(v) / len(v), 4) if v else default  # noqa: E731
+    return {
+        "offload_extra_blocks": mean(extra, 0.0),
+        "pinned_factor": mean(pinned, 1.0),
+        "host_process_gb": mean(process, 0.0),
+    }
 
 
 def fit_lora(cal: dict) -> dict:

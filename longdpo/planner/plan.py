@@ -29,10 +29,13 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
                  apart on the real path where a configuration was measured there (fewer layers, less churn than
                  the 40-layer per-rank emulation); under ZeRO-3 the
                  optimizer phase leaves a gap of its own (gathers, buckets, sub-group buffers)
-  host           activation offloading: (L - K) x pow2ceil(T x H x 2) x pinned_factor per rank (torch's pinned caching
-                 allocator rounds each block up to a power of two; K = memory.offload_keep_layers, whose layer
-                 inputs stay on the GPU as T x K x H x 2 checkpointed bytes); ZeRO-3 CPU offload: 12 x P / R (optimizer)
-                 and 2 x P / R per offloaded model's parameters per rank; times the ranks of a node
+  host           activation offloading: (L - K + E) blocks of T x H x 2 bytes per rank, pinned ones rounded up to
+                 a power of two (torch's pinned caching allocator) x pinned_factor; K = memory.offload_keep_layers,
+                 whose layer inputs stay on the GPU as T x K x H x 2 checkpointed bytes; E = offload_extra_blocks,
+                 what is saved after the last layer (the final norm's and the LM head's inputs: measured 1.92-1.99);
+                 ZeRO-3 CPU offload: 12 x P / R (optimizer) and 2 x P / R per offloaded model's parameters per rank;
+                 where anything is offloaded, + host_process_gb (the process's own resident memory); times the
+                 ranks of a node
 
 The fitted numbers live in longdpo/planner/calibration.json (`python launch/plan_memory.py --calibrate` rebuilds it
 from results/); a configuration without measurements borrows its nearest measured relative and says so.
@@ -265,10 +268,13 @@ def predict(
     host = 0.0
     if s.config.endswith("+offload"):
         block = s.tokens * s.hidden * 2
-        per_layer = 2 ** math.ceil(math.log2(block)) * cal["pinned_factor"] if s.offload_pinned else block
-        host += (s.layers - keep) * per_layer
+        per_block = 2 ** math.ceil(math.log2(block)) * cal["pinned_factor"] if s.offload_pinned else block
+        # the layer inputs, and the blocks saved after the last layer (the final norm's and the LM head's inputs)
+        host += (s.layers - keep + cal.get("offload_extra_blocks", 0.0)) * per_block
     if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
+    if host:  # what each process holds itself beside what it offloads
+        host += cal.get("host_process_gb", 0.0) * GB
     host *= s.ranks_per_node
     breakdown = {
         "model_states": states,
@@ -545,7 +551,7 @@ def render(result: Plan) -> str:
         f"  {'predicted optimizer-step peak allocated':<38} {result.optimizer_peak_gb:8.2f} GB",
         f"  {'predicted peak allocated':<38} {result.peak_allocated_gb:8.2f} GB",
         f"  {'predicted peak reserved':<38} {result.peak_reserved_gb:8.2f} GB",
-        f"  {'host memory per node (offloaded)':<38} {result.host_per_node_gb:8.1f} GB",
+        f"  {'host memory per node':<38} {result.host_per_node_gb:8.1f} GB",
         f"  based on: {result.calibrated_from}",
     ]
     if result.checkpoint_gb is not None:
