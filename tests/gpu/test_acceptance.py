@@ -361,8 +361,8 @@ def report(results: dict) -> str:
     lines = [
         "| run | launcher | layers | tokens | rc | step-1 loss | step-1 grad norm | peak reserved (GB) | "
         "planner (GB) | planner error | activation / optimizer-step peak allocated (GB) | offloaded per step "
-        "(GB) | wall (s) |",
-        "|" + "---|" * 13,
+        "(GB) | host peak (GB) | wall (s) |",
+        "|" + "---|" * 14,
     ]
     for name, run in RUNS.items():
         r = results.get(name, {})
@@ -373,11 +373,12 @@ def report(results: dict) -> str:
         act = max((x.get("activation_peak_allocated_gb") or 0 for x in rec), default=None)
         opt = max((x.get("optimizer_peak_allocated_gb") or 0 for x in rec), default=None)
         off = rec[-1].get("offloaded_gb") if rec else None
+        host = max((x.get("host_peak_gb") or 0 for x in rec), default=None)
         lines.append(
             f"| {name} | {run.launcher} | {run.layers} | {run.seq} {run.workload} | {r.get('rc')} | "
             f"{f(logs[0].get('loss'), '.4f')} | "
             f"{f(logs[0].get('grad_norm'), '.4f')} | {f(measured)} | {f(predicted)} | {f(error, '+.1%')} | "
-            f"{f(act)} / {f(opt)} | {f(off)} | {f(r.get('wall_s'), '.0f')} |"
+            f"{f(act)} / {f(opt)} | {f(off)} | {f(host)} | {f(r.get('wall_s'), '.0f')} |"
         )
     return "\n".join(lines)
 
