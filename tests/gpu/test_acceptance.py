@@ -544,6 +544,18 @@ def test_kept_layers_are_not_offloaded(runs):
     assert all(k >= layer_input - 2e-4 and f - k >= layer_input - 2e-4 for k, f in zip(kept, full)), (full, kept)
 
 
+def test_the_host_peak_sees_pageable_offloading(runs):
+    """Pageable offloading frees its host copies in the backward, before the step ends, so RSS read then misses
+    them; `host_peak_gb` must not. Each of the 2 layer inputs (2 x 4,096 x 5,120 x 2 bytes = 0.0839 GB) is above
+    glibc's largest mmap threshold (32 MiB), so its copy leaves the process when freed: from step 2 on (step 1 also
+    builds the optimizer) the step's peak is above its end's RSS by at least those 0.168 GB, less 0.05 GB for what
+    else the step may keep."""
+    layer_inputs = 2 * (2 * SHORT * 5120 * 2) / 1e9
+    records = runs["offload/2_layers"]["records"][1:]
+    print("host peak / RSS at the step's end (GB):", [(x["host_peak_gb"], x["host_rss_gb"]) for x in records])
+    assert records and all(x["host_peak_gb"] - x["host_rss_gb"] >= layer_inputs - 0.05 for x in records), records
+
+
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r.compare and n != "stock"])
 def test_every_lever_gives_stocks_gradients(runs, name):
     """Same model, data and seed as `stock`: the step-1 gradient norm over all parameters (before any update) must
