@@ -530,6 +530,11 @@ def test_offloading_copies_activations_and_no_parameter(runs, name):
     assert all(x["offloaded_param_shaped"] == 0 for x in records), records
 
 
+def _needs(*names):
+    return pytest.mark.skipif(not all(n in RUNS for n in names), reason=f"a subset without {', '.join(names)}")
+
+
+@_needs("offload/2_layers", "offload/2_layers/keep_1")
 def test_kept_layers_are_not_offloaded(runs):
     """memory.offload_keep_layers: 1 of 2 layers: at least the kept layer's checkpointed input (tokens x hidden x 2
     bytes: 2 x 4,096 x 5,120 x 2 = 0.0839 GB) no longer goes to the host, and the first layer's and the tensors
@@ -544,6 +549,7 @@ def test_kept_layers_are_not_offloaded(runs):
     assert all(k >= layer_input - 2e-4 and f - k >= layer_input - 2e-4 for k, f in zip(kept, full)), (full, kept)
 
 
+@_needs("offload/2_layers")
 def test_the_host_peak_sees_pageable_offloading(runs):
     """Pageable offloading frees its host copies in the backward, before the step ends, so RSS read then misses
     them; `host_peak_gb` must not. Each of the 2 layer inputs (2 x 4,096 x 5,120 x 2 bytes = 0.0839 GB) is above
