@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import shlex
 
@@ -21,6 +20,7 @@ from longdpo.planner.plan import (
     config_name,
     count_params,
     offloads_layer_inputs,
+    pinned_bytes,
     predict,
     shared_tokens,
 )
@@ -234,7 +234,7 @@ def fit_host(rows) -> dict:
         extra.append(row["offloaded_gb"] * 1e9 / block - (s.layers - s.offload_keep_layers))
         if s.offload_pinned and row.get("host_pinned_gb") and row.get("host_rss_gb"):
             blocks = s.layers - s.offload_keep_layers + extra[-1]
-            pinned.append(row["host_pinned_gb"] * 1e9 / (blocks * 2 ** math.ceil(math.log2(block))))
+            pinned.append(row["host_pinned_gb"] * 1e9 / (blocks * pinned_bytes(block)))
             process.append(row["host_rss_gb"] - row["host_pinned_gb"])
     mean = lambda v, default: round(sum(v) / len(v), 4) if v else default  # noqa: E731
     return {

@@ -178,6 +178,11 @@ def stored_bytes(config: str) -> float:
     return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
 
 
+def pinned_bytes(nbytes: float) -> float:
+    """What torch's pinned caching allocator holds for a block of `nbytes`: the next power of two."""
+    return 2 ** math.ceil(math.log2(nbytes))
+
+
 def offloads_layer_inputs(config: str) -> bool:
     """TRL's offloading of the layer checkpoint's inputs: what `memory.offload_keep_layers` keeps part of."""
     return config.endswith("+offload") and stored_bytes(config) == 0
@@ -268,7 +273,7 @@ def predict(
     host = 0.0
     if s.config.endswith("+offload"):
         block = s.tokens * s.hidden * 2
-        per_block = 2 ** math.ceil(math.log2(block)) * cal["pinned_factor"] if s.offload_pinned else block
+        per_block = pinned_bytes(block) * cal["pinned_factor"] if s.offload_pinned else block
         # the layer inputs, and the blocks saved after the last layer (the final norm's and the LM head's inputs)
         host += (s.layers - keep + cal.get("offload_extra_blocks", 0.0)) * per_block
     if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
