@@ -48,6 +48,7 @@ RECIPES = os.path.join(ROOT, "recipes", "nemotron12b")
 SHORT = 4096
 UNEQUAL = 4160  # 64 mod 128 (PyTorch issue 196678: cuDNN attention's backward with a mask at such lengths)
 STEPS = 3
+LAYER_INPUT_GB = 2 * SHORT * 5120 * 2 / 1e9  # one layer checkpoint's bf16 input at SHORT: 2 rows x 4,096 x 5,120
 RUN_TIMEOUT_S = 420
 # GPU memory the concurrent runs may take together (GB), each run weighted below: the card's memory less 5 GB for
 # the processes' CUDA contexts (an H200: 145 of 150.7 GB; an H100 80GB: 80.5 of 85.5 GB, where the 1-layer runs go
@@ -543,10 +544,9 @@ def test_kept_layers_are_not_offloaded(runs):
     full = [x["offloaded_gb"] for x in runs["offload/2_layers"]["records"]]
     kept = [x["offloaded_gb"] for x in runs["offload/2_layers/keep_1"]["records"]]
     print(f"offloaded per step, 2 layers: {full} GB; the last layer kept on the GPU: {kept} GB")
-    layer_input = 2 * SHORT * 5120 * 2 / 1e9
     assert full and len(kept) == len(full)
     # telemetry rounds to 1e-4 GB: allow that twice
-    assert all(k >= layer_input - 2e-4 and f - k >= layer_input - 2e-4 for k, f in zip(kept, full)), (full, kept)
+    assert all(k >= LAYER_INPUT_GB - 2e-4 and f - k >= LAYER_INPUT_GB - 2e-4 for k, f in zip(kept, full)), (full, kept)
 
 
 @_needs("offload/2_layers")
@@ -556,10 +556,9 @@ def test_the_host_peak_sees_pageable_offloading(runs):
     glibc's largest mmap threshold (32 MiB), so its copy leaves the process when freed: from step 2 on (step 1 also
     builds the optimizer) the step's peak is above its end's RSS by at least those 0.168 GB, less 0.05 GB for what
     else the step may keep."""
-    layer_inputs = 2 * (2 * SHORT * 5120 * 2) / 1e9
     records = runs["offload/2_layers"]["records"][1:]
     print("host peak / RSS at the step's end (GB):", [(x["host_peak_gb"], x["host_rss_gb"]) for x in records])
-    assert records and all(x["host_peak_gb"] - x["host_rss_gb"] >= layer_inputs - 0.05 for x in records), records
+    assert records and all(x["host_peak_gb"] - x["host_rss_gb"] >= 2 * LAYER_INPUT_GB - 0.05 for x in records), records
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r.compare and n != "stock"])
