@@ -150,9 +150,7 @@ def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
     jsonl = os.path.join(out_dir, "memory.jsonl")
     if os.path.exists(jsonl):
         records = [json.loads(line) for line in open(jsonl)]
-        result.update(
-            summarise(records, args.steps if args.profile else None), allocator_conf=records[-1].get("allocator_conf")
-        )
+        result.update(measurement(records, proc.returncode, args.steps, args.steps if args.profile else None))
     profile = os.path.join(out_dir, f"profile_step{args.steps}")
     if args.profile and os.path.exists(profile + ".json"):
         result["profile"] = json.load(open(profile + ".json"))
@@ -242,6 +240,17 @@ def environment(args) -> dict:
     return info
 
 
+def measurement(records: list[dict], rc: int, steps: int, profiled_step: int | None = None) -> dict:
+    """A run's figures from its telemetry. A run that died before its last step (an OOM in step 2, say) is not a
+    measurement: what it reached is kept under `reached` (shown beside its failure, never read as its figures: the
+    table, the chart and the planner's calibration read only the measured keys)."""
+    if rc != 0 and len(records) < steps:
+        last = records[-1] if records else {}
+        keys = ("peak_allocated_gb", "peak_reserved_gb", "step_time_s")
+        return {"reached": {"steps": len(records), **{k: last.get(k) for k in keys}}}
+    return {**summarise(records, profiled_step), "allocator_conf": records[-1].get("allocator_conf")}
+
+
 def render_table(results: list[dict]) -> str:
     def f(v, spec=".2f"):
         return format(v, spec) if isinstance(v, (int, float)) else "n/a"
@@ -255,6 +264,12 @@ def render_table(results: list[dict]) -> str:
         head = f"| {r['seq_tokens']} | {r.get('workload', 'equal')} | {r['config']} |"
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
             status = "OOM" if r["oom"] else "timed out" if r["rc"] == 124 else f"failed (rc {r['rc']})"
+            if reached := r.get("reached"):
+                n = reached["steps"]
+                status += (
+                    f" in step {n + 1} (step {n}: {f(reached['peak_allocated_gb'])} GB allocated, "
+                    f"{f(reached['peak_reserved_gb'])} GB reserved, {f(reached['step_time_s'])} s)"
+                )
             lines.append(f"{head} {status} | | | | | | | | | |")
             continue
         lines.append(

@@ -3,8 +3,9 @@
 # access needed: the pinned packages come from a local wheelhouse in ./.whl when they are not installed
 # (tools/offline_env.sh). Writes the full output, GPU name and commit first, to the log (default
 # results/gpu_acceptance/latest.log; commit it). About 7 minutes on an H200. On an 80 GB H100 the 1-layer 12B runs
-# (about 46 GB each) go one at a time, so the whole suite takes longer: run it in parts there, e.g.
-# GPU_ACCEPTANCE_ONLY=offload/2_layers,unequal,long-prompt (11 runs with stock: 6.3 minutes on an H100).
+# (about 46 GB each) go one at a time, about 25 s each, so the whole suite takes longer: run it in parts of about 12
+# runs there, e.g. GPU_ACCEPTANCE_ONLY=offload/2_layers,offload_pageable,dpo_12k/deepspeed,dpo_lora_64k/python
+# (8 runs with stock: 3.4 minutes on an H100) and GPU_ACCEPTANCE_ONLY=unequal,long-prompt,layer+lean (12: 4.5 minutes).
 #   bash tools/gpu_acceptance.sh [LOG]
 set -uo pipefail
 cd "$(dirname "$0")/.."

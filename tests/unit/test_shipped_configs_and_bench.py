@@ -177,6 +177,24 @@ def test_bench_summary_and_table():
     assert "| 65536 | equal | stock | OOM |" in table  # rows from before workloads were named ran equal pairs
 
 
+def test_a_run_that_dies_after_its_first_step_is_not_a_measurement():
+    """An OOM in step 2 of 2 leaves step 1's telemetry (the warm-up step, which the benchmark never times): the row
+    shows the failure and what the run reached, and gives the table, chart and planner no figures."""
+    from tools.bench_memory import measurement, render_table
+
+    step1 = {"peak_allocated_gb": 69.2861, "peak_reserved_gb": 80.0063, "step_time_s": 12.5683, "weights_gb": 14.09}
+    died = measurement([step1], rc=3, steps=2)
+    assert "peak_allocated_gb" not in died and died["reached"]["steps"] == 1
+    row = {"config": "stock+offload+liger", "seq_tokens": 32768, "workload": "unequal", "rc": 3, "oom": True, **died}
+    assert (
+        "| 32768 | unequal | stock+offload+liger | OOM in step 2 (step 1: 69.29 GB allocated, 80.01 GB reserved, "
+        "12.57 s) |" in render_table([row])
+    )
+    # a run that failed after its last step (at teardown, say) measured every step: its figures stand
+    done = measurement([step1, {**step1, "step_time_s": 5.0}], rc=1, steps=2)
+    assert done["peak_allocated_gb"] == 69.2861 and done["step_time_s"] == 5.0
+
+
 def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
     from tools.analyze_snapshot import peak_holders
 
