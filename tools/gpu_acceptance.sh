@@ -5,7 +5,9 @@
 # results/gpu_acceptance/latest.log; commit it). About 7 minutes on an H200. On an 80 GB H100 the 1-layer 12B runs
 # (about 46 GB each) go one at a time, about 25 s each, so the whole suite takes longer: run it in parts of about 12
 # runs there, e.g. GPU_ACCEPTANCE_ONLY=offload/2_layers,offload_pageable,dpo_12k/deepspeed,dpo_lora_64k/python
-# (8 runs with stock: 3.4 minutes on an H100) and GPU_ACCEPTANCE_ONLY=unequal,long-prompt,layer+lean (12: 4.5 minutes).
+# (8 runs with stock: 3.4 minutes on an H100) and GPU_ACCEPTANCE_ONLY=unequal,long-prompt,layer+lean (12: 4.5 minutes),
+# or the whole suite in three such parts: GPU_ACCEPTANCE_PART=1/3, 2/3, 3/3 (each run and the runs it is compared
+# with in one part, stock in every part).
 #   bash tools/gpu_acceptance.sh [LOG]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,7 @@ python3 -c "import trl, deepspeed, longdpo" 2>/dev/null || source tools/offline_
 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', d.__version__)" 2>&1 | grep -v Warning
     echo "command: bash tools/gpu_acceptance.sh $*"
     [ -n "${GPU_ACCEPTANCE_ONLY:-}" ] && echo "SUBSET of the suite: GPU_ACCEPTANCE_ONLY=$GPU_ACCEPTANCE_ONLY (runs whose names contain these, and stock)"
+    [ -n "${GPU_ACCEPTANCE_PART:-}" ] && echo "PART of the suite: GPU_ACCEPTANCE_PART=$GPU_ACCEPTANCE_PART"
 } > "$LOG"
 export GPU_ACCEPTANCE_OUT=${GPU_ACCEPTANCE_OUT:-/tmp/gpu_acceptance}
 python3 -m pytest tests/gpu -m gpu -vv -s -rfE 2>&1 | tee -a "$LOG"

@@ -295,6 +295,32 @@ SAME_GRADIENTS = {
 }
 
 
+def part(runs: dict, k: int, n: int) -> dict:
+    """The k-th of n parts of `runs` (1-based), for a card that runs the 12B runs one at a time: a run and the runs
+    it is compared with stay in one part, groups dealt largest first to the part with fewest runs; stock in every
+    part (the reference)."""
+    group = {name: {name} for name in runs if name != "stock"}
+    for a, b in [*EXACT.items(), *SAME_GRADIENTS.items()]:
+        if a in group and b in group:
+            merged = group[a] | group[b]
+            for name in merged:
+                group[name] = merged
+    parts = [[] for _ in range(n)]
+    for g in sorted({frozenset(g) for g in group.values()}, key=lambda g: (-len(g), min(g))):
+        min(parts, key=len).extend(g)
+    return {name: run for name, run in runs.items() if name == "stock" or name in parts[k - 1]}
+
+
+# GPU_ACCEPTANCE_PART=2/3: the second of three parts (an 80 GB H100: about 12 runs, under 6 minutes, each).
+if os.environ.get("GPU_ACCEPTANCE_PART"):
+    try:
+        _k, _n = map(int, os.environ["GPU_ACCEPTANCE_PART"].split("/"))
+        assert 1 <= _k <= _n
+    except (ValueError, AssertionError):
+        pytest.exit(f"GPU_ACCEPTANCE_PART={os.environ['GPU_ACCEPTANCE_PART']}: give k/n, e.g. 2/3", returncode=4)
+    RUNS = part(RUNS, _k, _n)
+
+
 def _records(out_dir: str) -> list[dict]:
     path = os.path.join(out_dir, "memory.jsonl")
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []

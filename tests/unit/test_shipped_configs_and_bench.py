@@ -457,3 +457,19 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
     )
     assert rows["unlabelled"]["kernel_ms"] == pytest.approx(0.01) and rows["unlabelled"]["overlapped_ms"] == 0
     assert "| forward:mlp | 0.1 | 0.1 |" in (tmp_path / "overlap.md").read_text()
+
+
+def test_gpu_suite_parts_cover_it_once_and_keep_compared_runs_together():
+    """GPU_ACCEPTANCE_PART=k/n: every run in exactly one part (stock in each), a run and its reference together."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", os.path.join(ROOT, "tests/gpu/test_acceptance.py"))
+    suite = sys.modules["gpu_acceptance"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(suite)
+    parts = [suite.part(suite.RUNS, k, 3) for k in (1, 2, 3)]
+    assert all("stock" in p for p in parts)
+    named = [name for p in parts for name in p if name != "stock"]
+    assert sorted(named) == sorted(n for n in suite.RUNS if n != "stock")
+    for a, b in [*suite.EXACT.items(), *suite.SAME_GRADIENTS.items()]:
+        assert any(a in p and b in p for p in parts), (a, b)
+    assert max(map(len, parts)) - min(map(len, parts)) <= 2
