@@ -87,6 +87,7 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
         pair_tokens=shared_tokens(_synthetic(row["command"]), row["seq_tokens"], recipe.data.shared_prompt_min_saving)
         if lv.shared_prompt
         else None,
+        padding_mask=lv.padding_mask == "keep" and row.get("workload", "equal") != "equal",
     )
 
 
@@ -209,6 +210,7 @@ def calibrate() -> dict:
     fit_zero3_reserved(rows, cal)
     cal["lora"] = fit_lora(cal)
     cal.update(fit_host(rows))
+    cal["mask_bytes_per_element"] = fit_mask()
     cal["zero3"] = fit_zero3(rows, cal)
     ratios: dict[str, list] = {}
     for _env, row, _src, s in rows:
@@ -218,6 +220,28 @@ def calibrate() -> dict:
             ratios.setdefault(allocator_key(s), []).append((row["peak_reserved_gb"] - fixed) / (unfactored - fixed))
     cal["allocator_factors"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(ratios.items())}
     return cal
+
+
+def fit_mask(pattern: str = os.path.join(ROOT, "results", "**", "results.json")) -> float:
+    """Bytes per element of the explicit mask TRL's padding becomes (2 rows x seq x seq a pair), from benchmark rows
+    of unequal pairs with the mask kept beside a row of equal pairs of the same setup (configuration, length, mode,
+    layers; allocation does not depend on the card): their difference in peak allocated."""
+    rows = [
+        (env, row)
+        for env, row, _ in _benchmark_rows(pattern)
+        if row.get("peak_allocated_gb") is not None and row["config"] in CONFIGS
+    ]
+
+    def key(env, row):
+        return row["config"], row["seq_tokens"], env["mode"], _bench_options(env["command"]).layers
+
+    equal = {key(env, row): row for env, row in rows if row.get("workload", "equal") == "equal"}
+    per_element = [
+        (row["peak_allocated_gb"] - equal[key(env, row)]["peak_allocated_gb"]) * 1e9 / (2 * row["seq_tokens"] ** 2)
+        for env, row in rows
+        if row.get("workload") == "unequal" and CONFIGS[row["config"]].padding_mask == "keep" and key(env, row) in equal
+    ]
+    return round(sum(per_element) / len(per_element), 3) if per_element else 0.0
 
 
 def fit_host(rows) -> dict:

@@ -137,6 +137,60 @@ def test_every_committed_shared_prompt_row_is_predicted_within_10_percent():
     assert planned_shared >= 2
 
 
+def test_trls_padding_mask_is_planned_on_pairs_that_pad():
+    """The library-only setup keeps TRL's padding mask: on unequal pairs attention gets an explicit seq x seq mask
+    per row. Every committed row of it is predicted within 10%, and the planner tells, before launch, that on the real
+    path at 32k it fits an 80 GB H100 on equal pairs and not on unequal ones (measured: 82.39 GB reserved and done;
+    out of memory in step 2)."""
+    from longdpo.planner.calibration import _benchmark_rows, setup_from_result
+
+    cal = load_calibration()
+    unequal = [
+        (env, row, src)
+        for env, row, src in _benchmark_rows(os.path.join(ROOT, "results", "**", "results.json"))
+        if row.get("workload") == "unequal" and row["config"] == "stock+offload+liger"
+    ]
+    measured = [(env, row, src) for env, row, src in unequal if row.get("peak_reserved_gb") is not None]
+    assert len(measured) >= 2
+    for env, row, src in measured:
+        setup = setup_from_result(env, row)
+        plan = predict(setup, cal)
+        assert setup.padding_mask and plan.breakdown["attention_mask_of_padded_pairs"] > 0
+        assert abs(plan.peak_reserved_gb / row["peak_reserved_gb"] - 1) <= 0.10, (src, row["seq_tokens"], plan)
+    h100 = 81559 * 2**20 / 1e9
+    real_path = _benchmark_rows(os.path.join(ROOT, "results", "gpu_2026-12-06_real_path_32k", "results.json"))
+    verdicts = {
+        (row["config"], row["workload"]): predict(setup_from_result(env, row), cal, gpu_memory_gb=h100).fits
+        for env, row, _ in real_path
+    }
+    assert verdicts[("stock+offload+liger", "equal")] and not verdicts[("stock+offload+liger", "unequal")]
+    # our levers drop the mask on the same pairs: nothing to plan, and the run fits
+    assert verdicts[("layer+liger+chunked8+head+offload", "unequal")]
+
+
+def test_a_kept_padding_mask_is_planned_from_the_recipe_and_its_data():
+    """`memory.padding_mask: keep` plans the mask where the pairs pad: synthetic pairs say whether they do; real
+    preference data is taken to (chosen and rejected answers differ in length in almost every pair); `auto` drops
+    it on the same pairs. 2 rows x 12,288^2 elements at the calibrated bytes per element."""
+    from longdpo.config import load_recipe, parse_overrides
+    from longdpo.planner.plan import plan
+
+    path = os.path.join(ROOT, "recipes", "nemotron12b", "dpo_12k.yaml")
+    cal = load_calibration()
+
+    def mask_gb(*overrides):
+        result = plan(load_recipe(path, parse_overrides(list(overrides))), gpus=8, gpu_memory_gb=80)
+        return result.breakdown.get("attention_mask_of_padded_pairs", 0)
+
+    keep, unequal = ["--memory.padding_mask", "keep"], '{"pairs": 4, "seq_tokens": 12288, "prompt_tokens": 1024, '
+    assert mask_gb(*keep, "--data.synthetic", unequal + '"rejected_tokens": 10000}') == round(
+        cal["mask_bytes_per_element"] * 2 * 12288**2 / 1e9, 2
+    )
+    assert mask_gb(*keep, "--data.synthetic", unequal + '"rejected_tokens": 11264}') == 0  # as long as the chosen
+    assert mask_gb(*keep, "--data.synthetic", "null", "--data.train_files", '["pairs.jsonl"]') > 0
+    assert mask_gb("--data.synthetic", unequal + '"rejected_tokens": 10000}') == 0  # the recipe's auto
+
+
 # The 12B LoRA recipe on one H200, 40 layers (results/gpu_2026-12-04_lora12b, commands.txt): not fitted on
 LORA_12B = {
     "ours_64k": [],
