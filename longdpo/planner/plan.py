@@ -429,6 +429,11 @@ def shared_tokens(spec: dict, seq: int, min_saving: float) -> int | None:
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.
 def _candidates(s: Setup):
+    if s.padding_mask and not s.pair_tokens:
+        yield (
+            "memory.padding_mask: auto (no mask for right-padded pairs: attention keeps its causal kernel)",
+            replace(s, padding_mask=False),
+        )
     if not s.config.endswith("+offload"):
         yield "activation_offloading: true", replace(s, config=s.config + "+offload")
     elif s.offload_pinned:

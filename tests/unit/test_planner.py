@@ -143,6 +143,7 @@ def test_trls_padding_mask_is_planned_on_pairs_that_pad():
     path at 32k it fits an 80 GB H100 on equal pairs and not on unequal ones (measured: 82.39 GB reserved and done;
     out of memory in step 2)."""
     from longdpo.planner.calibration import _benchmark_rows, setup_from_result
+    from longdpo.planner.plan import suggest
 
     cal = load_calibration()
     unequal = [
@@ -164,6 +165,9 @@ def test_trls_padding_mask_is_planned_on_pairs_that_pad():
         for env, row, _ in real_path
     }
     assert verdicts[("stock+offload+liger", "equal")] and not verdicts[("stock+offload+liger", "unequal")]
+    env, row, _ = next(x for x in unequal if "real_path_32k" in x[2])
+    fixes = suggest(setup_from_result(env, row), h100, cal)
+    assert fixes[0][0].startswith("memory.padding_mask: auto")  # the cheapest fix: it saves time too
     # our levers drop the mask on the same pairs: nothing to plan, and the run fits
     assert verdicts[("layer+liger+chunked8+head+offload", "unequal")]
 
