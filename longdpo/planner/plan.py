@@ -400,10 +400,8 @@ def pairs_pad(recipe: Recipe) -> bool:
     spec = recipe.data.synthetic
     if not spec:
         return True
-    return (
-        spec.get("rejected_tokens", spec["seq_tokens"] - spec["prompt_tokens"])
-        != spec["seq_tokens"] - spec["prompt_tokens"]
-    )
+    chosen = spec["seq_tokens"] - spec["prompt_tokens"]
+    return spec.get("rejected_tokens", chosen) != chosen
 
 
 def shared_pair_tokens(recipe: Recipe, seq: int) -> int | None:
