@@ -203,14 +203,19 @@ def matmul_tflops() -> float | None:
 
 
 def add_mfu(result: dict, environment: dict, row_setup) -> None:
-    """MFU = model FLOPs per step / (step time x measured matmul rate); None without a GPU rate or a step time."""
+    """MFU = model FLOPs per step / (step time x measured matmul rate); None without a GPU rate or a step time. The
+    FLOPs are those of the pair's real tokens as the run lays them out (two rows, or one shared row)."""
+    from longdpo.planner.calibration import _synthetic
     from longdpo.planner.plan import model_flops_per_step
 
     rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
-    if result.get("workload", "equal") != "equal" or getattr(CONFIGS.get(result.get("config")), "shared_prompt", False):
-        rate = None  # the FLOP count assumes two full-length sequences
     setup, attn_width = row_setup
-    result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width) / 1e12, 2)
+    pair = None
+    if "--data.synthetic" in result.get("command", ""):
+        spec = _synthetic(result["command"])
+        prompt, chosen = spec["prompt_tokens"], setup.seq - spec["prompt_tokens"]
+        pair = (prompt, chosen, min(spec.get("rejected_tokens", chosen), chosen))
+    result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width, pair=pair) / 1e12, 2)
     result["mfu"] = round(result["model_tflops_per_step"] / (step * rate), 4) if rate and step else None
 
 

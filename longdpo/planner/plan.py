@@ -135,15 +135,25 @@ def count_params(config) -> tuple[int, int, int]:
     return total, layer, embed
 
 
-def model_flops_per_step(s: Setup, attn_width: int, with_reference: bool = True) -> float:
+def model_flops_per_step(
+    s: Setup, attn_width: int, with_reference: bool = True, pair: tuple[int, int, int] | None = None
+) -> float:
     """Model FLOPs of one DPO step of this rank (recomputation not counted, as MFU conventions want): policy
-    forward + backward = 3 x forward, reference forward = 1 x, over the chosen and rejected sequences.
-    Forward = 2 x matmul parameters (all but the input embedding) per token + causal attention
-    2 x seq^2 x attention width per layer per sequence."""
+    forward + backward = 3 x forward, reference forward = 1 x. Forward = 2 x matmul parameters (all but the input
+    embedding) per token + attention, 4 x attention width per (query, key) pair per layer: causal over a sequence of
+    T tokens, 2 x T^2 x width. `pair`: (prompt, chosen, rejected) tokens of each pair, counted as run, padding left
+    out: TRL's two rows P + C and P + R, or with `s.pair_tokens` the shared row [P, C, R], whose rejected tokens see
+    the prompt and themselves (query-key pairs (P+C)^2/2 + (P+R)^2/2 - P^2/2). Without it, two rows of `s.seq`."""
+    p, c, r = pair or (0, s.seq, s.seq)
+    tokens, squares = (
+        (p + c + r, (p + c) ** 2 + (p + r) ** 2 - p**2)
+        if s.pair_tokens
+        else (2 * p + c + r, (p + c) ** 2 + (p + r) ** 2)
+    )
     matmul_params = s.params - s.embed_params
     # under sequence parallelism a rank runs the linear layers on its 1/sp of the tokens and attention on 1/sp of
-    # the heads over the whole sequence: both terms divide by sp (s.tokens already does)
-    forward = 2 * matmul_params * s.tokens + 2 * s.batch * 2 * s.layers * s.seq**2 * attn_width / s.sp
+    # the heads over the whole sequence: both terms divide by sp
+    forward = s.batch * (2 * matmul_params * tokens + 2 * s.layers * squares * attn_width) / s.sp
     return forward * (3 + (1 if with_reference else 0))
 
 

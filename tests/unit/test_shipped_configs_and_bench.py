@@ -334,6 +334,21 @@ def test_model_flops_and_mfu_by_hand():
     no_gpu = {"step_time_s": 2.0}
     add_mfu(no_gpu, {"matmul_tflops": None}, (s, 8))
     assert no_gpu["mfu"] is None
+    # pairs as run, padding left out: prompt 4, chosen 12, rejected 6 (TRL pads the rejected row to 16)
+    rows = 2 * 800 * (16 + 10) + 2 * 2 * (16**2 + 10**2) * 8
+    assert model_flops_per_step(s, 8, pair=(4, 12, 6)) == 4 * rows
+    # one shared row [P, C, R]: 22 tokens; R's 6 queries see the prompt's 4 keys and, causally, their own 6
+    shared = Setup(**{**s.__dict__, "pair_tokens": 4 + 12 + 6 + 1})
+    pairs = 16**2 / 2 + 6 * 4 + 6**2 / 2  # (query, key) pairs: causal over [P, C], then R
+    assert model_flops_per_step(shared, 8, pair=(4, 12, 6)) == 4 * (2 * 800 * 22 + 2 * 4 * pairs * 8)
+    # the benchmark reads the pair from the row's command: an unequal row gets its MFU, from its real tokens
+    big = Setup(params=12 * 10**9, layer_params=1, embed_params=10**9, layers=40, hidden=5120, seq=12288)
+    spec = '{"pairs": 4, "seq_tokens": 12288, "prompt_tokens": 1024, "rejected_tokens": 10000}'
+    unequal = {"step_time_s": 2.0, "command": f"python launch/train_dpo.py --data.synthetic '{spec}'"}
+    add_mfu(unequal, {"matmul_tflops": 100.0}, (big, 4096))
+    want = model_flops_per_step(big, 4096, pair=(1024, 11264, 10000)) / 1e12
+    assert unequal["model_tflops_per_step"] == round(want, 2) < row["model_tflops_per_step"]
+    assert unequal["mfu"] == round(unequal["model_tflops_per_step"] / (2.0 * 100.0), 4)
 
 
 @pytest.mark.launcher
