@@ -84,7 +84,12 @@ class Setup:
     lora_params: int = 0  # LoRA: trainable adapter parameters (0: full fine-tuning)
     model_type: str = "mistral"
     pair_tokens: int | None = None  # data.shared_prompt: one row per pair, prompt + chosen + rejected + 1
-    padding_mask: bool = False  # TRL's padding mask reaches attention (kept, and the pairs pad): seq x seq per row
+    padding_mask: bool = False  # TRL's padding mask kept, and the pairs pad
+
+    @property
+    def masked(self) -> bool:
+        """TRL's padding mask reaches attention as a seq x seq mask per row (a shared row brings its own attention)."""
+        return self.padding_mask and not self.pair_tokens
 
     @property
     def tokens(self) -> int:
@@ -279,9 +284,7 @@ def predict(
     # kept on pairs that pad, TRL's mask becomes an explicit seq x seq mask per row (bool, and the additive form
     # attention builds from it): a few large blocks, so outside the fragmentation of the per-token churn (measured
     # at 32k: +7.25 GB allocated, +5.9 GB reserved)
-    mask = (
-        cal.get("mask_bytes_per_element", 0.0) * 2 * s.batch * s.seq**2 if s.padding_mask and not s.pair_tokens else 0
-    )
+    mask = cal.get("mask_bytes_per_element", 0.0) * 2 * s.batch * s.seq**2 if s.masked else 0
     backward = gathered + stored + per_token
     allocated = states + ref + max(backward + mask, step)
     allocator = _allocator_factor(s, cal)
@@ -410,8 +413,8 @@ def pairs_pad(recipe: Recipe) -> bool:
     spec = recipe.data.synthetic
     if not spec:
         return True
-    chosen = spec["seq_tokens"] - spec["prompt_tokens"]
-    return spec.get("rejected_tokens", chosen) != chosen
+    _, chosen, rejected = synthetic_pair(spec, spec["seq_tokens"])
+    return rejected != chosen
 
 
 def shared_pair_tokens(recipe: Recipe, seq: int) -> int | None:
@@ -429,15 +432,20 @@ def shared_tokens(spec: dict, seq: int, min_saving: float) -> int | None:
     `min_saving` of TRL's two rows (such a pair runs as TRL's rows)."""
     from longdpo.data import tokens_through_model
 
+    tokens = tokens_through_model(*synthetic_pair(spec, seq), min_saving)
+    return tokens if tokens < 2 * seq else None
+
+
+def synthetic_pair(spec: dict, seq: int) -> tuple[int, int, int]:
+    """(prompt, chosen, rejected) tokens of a synthetic pair (`data.synthetic`) cut to `seq` tokens."""
     prompt = spec["prompt_tokens"]
     chosen = seq - prompt
-    tokens = tokens_through_model(prompt, chosen, min(spec.get("rejected_tokens", chosen), chosen), min_saving)
-    return tokens if tokens < 2 * seq else None
+    return prompt, chosen, min(spec.get("rejected_tokens", chosen), chosen)
 
 
 # Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.
 def _candidates(s: Setup):
-    if s.padding_mask and not s.pair_tokens:
+    if s.masked:
         yield (
             "memory.padding_mask: auto (no mask for right-padded pairs: attention keeps its causal kernel)",
             replace(s, padding_mask=False),
