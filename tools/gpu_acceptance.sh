@@ -3,11 +3,10 @@
 # access needed: the pinned packages come from a local wheelhouse in ./.whl when they are not installed
 # (tools/offline_env.sh). Writes the full output, GPU name and commit first, to the log (default
 # results/gpu_acceptance/latest.log; commit it). About 7 minutes on an H200. On an 80 GB H100 the 1-layer 12B runs
-# (about 46 GB each) go one at a time, about 25 s each, so the whole suite takes longer: run it in parts of about 12
-# runs there, e.g. GPU_ACCEPTANCE_ONLY=offload/2_layers,offload_pageable,dpo_12k/deepspeed,dpo_lora_64k/python
-# (8 runs with stock: 3.4 minutes on an H100) and GPU_ACCEPTANCE_ONLY=unequal,long-prompt,layer+lean (12: 4.5 minutes),
-# or the whole suite in three such parts: GPU_ACCEPTANCE_PART=1/3, 2/3, 3/3 (each run and the runs it is compared
-# with in one part, stock in every part).
+# (about 46 GB each) go one at a time, about 40 s each (35 s of it start-up), so run the suite there in three parts,
+# one command each: GPU_ACCEPTANCE_PART=1/3, 2/3, 3/3 (13 runs each with stock, 8-9 minutes each on an H100; each run
+# and the runs it is compared with in one part), or a named subset with GPU_ACCEPTANCE_ONLY=word,word (the runs whose
+# names contain one of the words, and stock).
 #   bash tools/gpu_acceptance.sh [LOG]
 set -uo pipefail
 cd "$(dirname "$0")/.."

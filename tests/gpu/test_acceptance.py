@@ -311,7 +311,7 @@ def part(runs: dict, k: int, n: int) -> dict:
     return {name: run for name, run in runs.items() if name == "stock" or name in parts[k - 1]}
 
 
-# GPU_ACCEPTANCE_PART=2/3: the second of three parts (an 80 GB H100: about 12 runs, under 6 minutes, each).
+# GPU_ACCEPTANCE_PART=2/3: the second of three parts (an 80 GB H100: 13 runs with stock, 8-9 minutes, each).
 if os.environ.get("GPU_ACCEPTANCE_PART"):
     try:
         _k, _n = map(int, os.environ["GPU_ACCEPTANCE_PART"].split("/"))
