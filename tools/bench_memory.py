@@ -205,13 +205,13 @@ def matmul_tflops() -> float | None:
 def add_mfu(result: dict, environment: dict, row_setup) -> None:
     """MFU = model FLOPs per step / (step time x measured matmul rate); None without a GPU rate or a step time. The
     FLOPs are those of the pair's real tokens as the run lays them out (two rows, or one shared row)."""
-    from longdpo.planner.calibration import _synthetic
+    from longdpo.planner.calibration import synthetic_spec
     from longdpo.planner.plan import model_flops_per_step, synthetic_pair
 
     rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
     setup, attn_width = row_setup
     command = result.get("command", "")
-    pair = synthetic_pair(_synthetic(command), setup.seq) if "--data.synthetic" in command else None
+    pair = synthetic_pair(synthetic_spec(command), setup.seq) if "--data.synthetic" in command else None
     result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width, pair=pair) / 1e12, 2)
     result["mfu"] = round(result["model_tflops_per_step"] / (step * rate), 4) if rate and step else None
 

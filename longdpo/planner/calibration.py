@@ -84,14 +84,16 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
         ),
         allocator_conf=lv.allocator_conf,
         offload_pinned=lv.offload_pin_memory,
-        pair_tokens=shared_tokens(_synthetic(row["command"]), row["seq_tokens"], recipe.data.shared_prompt_min_saving)
+        pair_tokens=shared_tokens(
+            synthetic_spec(row["command"]), row["seq_tokens"], recipe.data.shared_prompt_min_saving
+        )
         if lv.shared_prompt
         else None,
         padding_mask=lv.padding_mask == "keep" and row.get("workload", "equal") != "equal",
     )
 
 
-def _synthetic(command: str) -> dict:
+def synthetic_spec(command: str) -> dict:
     """The pairs (`data.synthetic`) of a recorded training command."""
     argv = shlex.split(command)
     return json.loads(argv[argv.index("--data.synthetic") + 1])
