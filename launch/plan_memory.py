@@ -15,8 +15,10 @@ import json
 import os
 import sys
 
+from longdpo.checks import check_max_length
 from longdpo.config import RecipeError, load_recipe, parse_overrides
 from longdpo.patches import quiet_deprecation_warnings
+from longdpo.planner.levers import positive_int
 from longdpo.planner.plan import CALIBRATION, plan, render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,8 +54,8 @@ def main(argv=None) -> int:
     quiet_deprecation_warnings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs per node")
+    p.add_argument("--nodes", type=positive_int, default=1)
     p.add_argument("--gpu-memory", default=None, help="per GPU, e.g. 80GB")
     p.add_argument(
         "--host-memory", default=None, help="host RAM per node, e.g. 1000GB (checks activation and ZeRO CPU offload)"
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
         p.error("--recipe is required (or --calibrate)")
     try:
         recipe = load_recipe(args.recipe, parse_overrides(rest))
+        check_max_length(recipe.trainer)
         ds = None
         if args.deepspeed is None:
             args.deepspeed = recipe.trainer.get("deepspeed") or (

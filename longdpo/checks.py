@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 
 from longdpo.config import Recipe, RecipeError, resolve_path, trainer_default
 from longdpo.data import check_data_args
@@ -160,6 +161,8 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     with problems.check():
         _check_trainer(recipe, world_size)
     with problems.check():
+        _check_loss(t)
+    with problems.check():
         _check_hardware(recipe, cuda_available)
     problems.raise_if_any()
 
@@ -207,11 +210,54 @@ def _check_trainer(recipe: Recipe, world_size: int) -> None:
             raise RecipeError(
                 "`memory.sgd_in_backward` updates inside backward, so it needs `gradient_accumulation_steps: 1`."
             )
+    check_max_length(t)
+
+
+def check_max_length(t: dict) -> None:
     max_length = t.get("max_length", trainer_default("max_length"))
-    if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
         raise RecipeError(
             f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got {max_length!r}."
         )
+
+
+def trl_loss_types() -> list[str]:
+    """The DPO losses TRL implements. TRL lists them only in DPOConfig's help text and in the error its loss raises
+    at the first training step, once the model is loaded: read from the help, so that another TRL's list is used."""
+    from trl import DPOConfig
+
+    field = DPOConfig.__dataclass_fields__["loss_type"]
+    return re.findall(r"`'(\w+)'`", field.metadata["help"].split("If multiple")[0])
+
+
+def _check_loss(t: dict) -> None:
+    """DPO's values that TRL or torch refuse only once the model is loaded (or take silently, as a negative beta)."""
+    problems = Problems()
+    beta = t.get("beta", trainer_default("beta"))
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
+        problems.found.append(
+            f"`beta` must be a number > 0 (how strongly the policy is held to the reference, e.g. 0.1), got {beta!r}."
+        )
+    lr = t.get("learning_rate", trainer_default("learning_rate"))
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
+        problems.found.append(f"`learning_rate` must be a number >= 0 (e.g. 5e-7), got {lr!r}.")
+    loss_type = t.get("loss_type", trainer_default("loss_type"))
+    names = [loss_type] if isinstance(loss_type, str) else list(loss_type or [])
+    known = trl_loss_types()
+    for name in names:
+        if known and name not in known:
+            problems.found.append(
+                f"`loss_type: {name}` is not one of TRL's DPO losses; choose from {', '.join(known)}."
+            )
+    # Two of DPOTrainer's own refusals, which it makes only once the models are loaded (TRL 1.16, its __init__).
+    if "exo_pair" in names and not t.get("label_smoothing", trainer_default("label_smoothing")):
+        problems.found.append("`loss_type: exo_pair` needs `label_smoothing` above 0 (its paper uses 1e-3).")
+    if t.get("use_weighting") and {"aot", "aot_unpaired"} & set(names):
+        problems.found.append(
+            "`use_weighting: true` (WPO) does not work with the `aot` losses, which sort the pairs: drop one "
+            "of the two."
+        )
+    problems.raise_if_any()
 
 
 def _check_hardware(recipe: Recipe, cuda_available: bool) -> None:
@@ -264,6 +310,10 @@ def derive_accumulation(recipe: Recipe, world_size: int) -> None:
     want = recipe.data.global_batch_size
     if want is None:
         return
+    if isinstance(want, bool) or not isinstance(want, int) or want < 1:
+        raise RecipeError(
+            f"`data.global_batch_size` must be a positive integer (pairs per optimizer step) or null, got {want!r}."
+        )
     dp = world_size // recipe.parallelism.sp_size  # the ranks of a sequence-parallel group share their pairs
     if want % (per_device * dp):
         raise RecipeError(

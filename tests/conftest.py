@@ -202,7 +202,8 @@ def loss_and_grads(
     if uses_transformers_layer_checkpointing(policy):
         model.activation_checkpointing_enable({"use_reentrant": reentrant})
     wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
-    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    weighting = ("log_sum_sq_probs",) if trainer.use_weighting else ()  # as TRL asks for WPO's weights
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1", *weighting))
     trainer.ref_model = build_model(ModelArgs(**{**args.__dict__, "init_seed": 1}))
     add_fused_lm_head(trainer.ref_model)
     if drop_mask:

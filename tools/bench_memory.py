@@ -35,7 +35,7 @@ import time
 from longdpo.cluster.distributed import run_job
 from longdpo.data import WORKLOADS, workload
 from longdpo.planner.calibration import setup_from_result
-from longdpo.planner.levers import CONFIGS, add_setup_arguments
+from longdpo.planner.levers import CONFIGS, add_setup_arguments, positive_ints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -339,7 +339,10 @@ def parse_args(argv=None):
     add_setup_arguments(p)
     p.add_argument("--configs", default="stock,stock+offload,attn_mlp,norm_attn_mlp,layer+norm_attn_mlp")
     p.add_argument(
-        "--seq-tokens", default="12288", help="comma-separated tokens per sequence (prompt + the longer completion)"
+        "--seq-tokens",
+        type=positive_ints,
+        default="12288",
+        help="comma-separated tokens per sequence (prompt + the longer completion)",
     )
     p.add_argument(
         "--workloads",
@@ -456,7 +459,7 @@ def main(argv=None) -> list[dict]:
     results = []
     runs = [
         (seq, shape, name)
-        for seq in [int(s) for s in args.seq_tokens.split(",")]
+        for seq in args.seq_tokens
         for shape in args.workloads.split(",")
         for name in args.configs.split(",")
     ]

@@ -13,17 +13,31 @@ TRL_FLAGS = ("activation_offloading", "use_liger_kernel")  # top-level DPOConfig
 DATA_FLAGS = ("shared_prompt",)  # `data.` keys; the others are `memory.` keys
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a GPU count, a layer count, a sequence length)."""
+    import argparse
+
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated whole numbers >= 1 (`--seq-tokens 12288,32768`)."""
+    return [positive_int(part) for part in text.split(",")]
+
+
 def add_setup_arguments(parser) -> None:
     """The benchmark's options that fix a row's setup: its recipe, layer count and GPU count. tools/bench_memory.py
     parses them to run, the planner's calibration to read a recorded command line back (same defaults)."""
     parser.add_argument("--recipe", default=BENCH_RECIPE)
     parser.add_argument(
         "--layers",
-        type=int,
+        type=positive_int,
         default=None,
         help="cut the model to this many layers (the real path on one GPU: --mode zero3 --layers 8)",
     )
-    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--gpus", type=positive_int, default=1)
 
 
 @dataclass(frozen=True)

@@ -38,16 +38,25 @@ def planned(
     return planner.plan(recipe, per_node, budget, max(1, world_size // per_node), ds, seq=seq, pair_tokens=pair_tokens)
 
 
-def preflight(recipe, world_size: int, enforce: bool, seq: int | None = None, pair_tokens: int | None = None):
+def preflight(
+    recipe,
+    world_size: int,
+    enforce: bool,
+    seq: int | None = None,
+    pair_tokens: int | None = None,
+    problems_found: bool = False,
+):
     """The planner's verdict; refuses a run predicted not to fit (--skip-preflight runs it anyway). `seq`: the
     tokens per sequence when `max_length` does not say (null: the data's longest pair); `pair_tokens`: with
-    `data.shared_prompt`, the costliest pair's tokens measured on the data."""
+    `data.shared_prompt`, the costliest pair's tokens measured on the data. `problems_found`: the recipe has
+    problems already reported, so a value the planner cannot read is one of them, not worth a line of its own."""
     import torch
 
     try:
         result = planned(recipe, world_size, seq=seq, pair_tokens=pair_tokens)
     except (AttributeError, KeyError, TypeError, OSError) as e:  # an architecture the planner cannot model
-        logger.warning("planner: cannot model this run (%s); no preflight", e)
+        if not problems_found:
+            logger.warning("planner: cannot model this run (%s); no preflight", e)
         return None
     if int(os.environ.get("RANK", 0)) == 0 and result.gpu_memory_gb:  # no GPU and no cap: nothing to plan for
         logger.warning(

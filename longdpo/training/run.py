@@ -85,15 +85,15 @@ class Run:
         self.plan_on_data = plan_on_data(recipe)  # the preflight waits for the pairs (longest; shared rows)
         if not self.plan_on_data and (not problems.found or recipe.model.architecture or recipe.model.name_or_path):
             with problems.check():
-                self._preflight()
+                self._preflight(problems_found=bool(problems.found))
         problems.raise_if_any()
-        if not self.plan_on_data:
-            self._checked()
 
-    def _preflight(self) -> None:
+    def _preflight(self, problems_found: bool = False) -> None:
         from longdpo.planner.preflight import preflight
 
-        self.prediction = preflight(self.recipe, self.world_size, self.cli["preflight"], self.seq, self.pair_tokens)
+        self.prediction = preflight(
+            self.recipe, self.world_size, self.cli["preflight"], self.seq, self.pair_tokens, problems_found
+        )
 
     def _checked(self) -> None:
         """Every check has passed: the disk, and only then the earlier run's deletion (--overwrite_output_dir)."""
@@ -141,7 +141,12 @@ class Run:
         # older checkpoints are rotated only once the new one is complete (resilience), not by the Trainer
         keep_checkpoints = kwargs.pop("save_total_limit", None)
         patches.distributed_on_cpu()
-        self.args = DPOConfig(**kwargs)  # with `deepspeed` set this starts the process group
+        try:
+            self.args = DPOConfig(**kwargs)  # with `deepspeed` set this starts the process group
+        except ValueError as e:  # transformers' and TRL's own checks of their fields, e.g. `logging_steps: 0`
+            raise RecipeError(f"TRL's DPOConfig refuses this recipe: {e}") from None
+        if not self.plan_on_data:
+            self._checked()  # every check has passed, TRL's too: only now may an earlier run be deleted
         level = logging.INFO if self.is_main else logging.WARNING
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=level)
         logging.getLogger("longdpo").setLevel(level)

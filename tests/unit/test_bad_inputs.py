@@ -41,6 +41,14 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--max_length", "1"], "`max_length` must be an integer >= 2"),
         (["--per_device_train_batch_size", "0"], "`per_device_train_batch_size` must be a positive integer"),
         (["--data.global_batch_size", "6"], r"`data.global_batch_size: 6` is not a multiple of .* = 4"),
+        (["--data.global_batch_size", "0"], r"`data.global_batch_size` must be a positive integer .* or null, got 0"),
+        (["--beta", "-0.1"], "`beta` must be a number > 0"),
+        (["--beta", "0"], "`beta` must be a number > 0"),
+        (["--learning_rate", "-1e-6"], "`learning_rate` must be a number >= 0"),
+        (["--loss_type", "dpo"], "`loss_type: dpo` is not one of TRL's DPO losses; choose from sigmoid, hinge, ipo"),
+        (["--loss_type", "[sigmoid, sft2]"], "`loss_type: sft2` is not one of TRL's DPO losses"),
+        (["--loss_type", "exo_pair"], "`loss_type: exo_pair` needs `label_smoothing` above 0"),
+        (["--loss_type", "aot", "--use_weighting", "true"], "`use_weighting: true` .* drop one of the two"),
         (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
         (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
         (["--data.train_files", "[]"], "No training data"),
@@ -221,6 +229,33 @@ def test_entrypoint_error_exits_2_with_one_line_and_loses_nothing(tmp_path):
     assert "Traceback" not in proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["precious.txt"]
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.launcher
+def test_a_value_trl_refuses_is_one_line_and_overwriting_deletes_nothing_before_it(tmp_path):
+    """A setting transformers' own arguments refuse (`logging_steps: 0` with step logging) is one line, exit 2; with
+    --overwrite_output_dir the earlier run is deleted only once TRL has accepted the recipe, so here it stays."""
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "memory.jsonl").write_text("{}\n")
+    proc = run_train(tmp_path, "--logging_steps", "0", "--overwrite_output_dir", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: TRL's DPOConfig refuses this recipe: logging strategy IntervalStrategy.STEPS requires non-zero "
+        "--logging_steps"
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "memory.jsonl"]
+
+
+def test_every_loss_type_trl_offers_is_accepted():
+    """The list is read from TRL's DPOConfig help; each name on it is a loss TRL computes (the shared-prompt tests
+    run every one), and sigmoid, TRL's default, is first."""
+    from longdpo.checks import trl_loss_types
+
+    names = trl_loss_types()
+    assert names[0] == "sigmoid" and {"ipo", "hinge", "sft", "apo_zero", "sigmoid_norm"} <= set(names)
+    for name in names:
+        check("--loss_type", name, "--label_smoothing", "0.001")
 
 
 def test_entrypoint_without_recipe_names_the_flag(tmp_path):
