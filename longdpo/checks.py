@@ -108,12 +108,6 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     with problems.check():
         check_policy(mem.checkpointing)
     if recipe.parallelism.sp_size != 1 and model_ok:
-        d = recipe.data
-        evaluating = bool(
-            d.eval_files
-            or d.eval_split
-            or any(isinstance(src, dict) and src.get("test_split") for src in d.mixture or [])
-        )
         with problems.check():
             check_sequence_parallel(
                 recipe.parallelism.sp_size,
@@ -121,7 +115,7 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
                 load_architecture(recipe.model),
                 t,
                 recipe.model.attn_implementation,
-                evaluating=evaluating,
+                evaluating=has_eval_data(recipe.data),
             )
     if model_ok:
         with problems.check():
@@ -161,7 +155,7 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     with problems.check():
         _check_trainer(recipe, world_size)
     with problems.check():
-        _check_loss(t)
+        _check_trl_values(t, has_eval_data(recipe.data))
     with problems.check():
         _check_hardware(recipe, cuda_available)
     problems.raise_if_any()
@@ -230,9 +224,31 @@ def trl_loss_types() -> list[str]:
     return re.findall(r"`'(\w+)'`", field.metadata["help"].split("If multiple")[0])
 
 
-def _check_loss(t: dict) -> None:
-    """DPO's values that TRL or torch refuse only once the model is loaded (or take silently, as a negative beta)."""
+def has_eval_data(d) -> bool:
+    return bool(
+        d.eval_files or d.eval_split or any(isinstance(src, dict) and src.get("test_split") for src in d.mixture or [])
+    )
+
+
+def _check_trl_values(t: dict, evaluating: bool) -> None:
+    """Values that TRL or torch refuse only once the models are loaded, or take silently (a negative beta, no
+    epochs and no step limit: a run of no steps)."""
     problems = Problems()
+    if t.get("eval_strategy", trainer_default("eval_strategy")) not in (None, "no") and not evaluating:
+        problems.found.append(
+            f"`eval_strategy: {t['eval_strategy']}` needs evaluation pairs: set `data.eval_files` (or "
+            "`data.eval_split`), or `eval_strategy: no`."
+        )
+    max_steps = t.get("max_steps", trainer_default("max_steps"))
+    epochs = t.get("num_train_epochs", trainer_default("num_train_epochs"))
+    if isinstance(max_steps, int) and max_steps <= 0 and isinstance(epochs, (int, float)) and epochs <= 0:
+        problems.found.append(
+            f"`num_train_epochs: {epochs}` with no `max_steps` trains nothing: set `num_train_epochs` above 0 or "
+            "`max_steps` to the steps to run."
+        )
+    mode = t.get("truncation_mode", trainer_default("truncation_mode"))
+    if mode not in ("keep_start", "keep_end"):  # TRL's two (DPOConfig's help); its trainer refuses others
+        problems.found.append(f"`truncation_mode` must be keep_start or keep_end, got {mode!r}.")
     beta = t.get("beta", trainer_default("beta"))
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
         problems.found.append(

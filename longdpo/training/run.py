@@ -285,22 +285,25 @@ class Run:
         from longdpo.training.trainer import RecipeDPOTrainer
 
         recipe = self.recipe
-        self.trainer = RecipeDPOTrainer(
-            model=self.model,
-            ref_model=self.ref_model,
-            args=self.args,
-            train_dataset=self.train_raw,
-            eval_dataset=self.eval_raw,
-            processing_class=self.tokenizer,
-            callbacks=self.callbacks,
-            peft_config=lora.peft_config(recipe.model),
-            memory_callback=self.memory_callback,
-            guard=self.guard,
-            sp=self.sp,
-            shared_prompt=recipe.data.shared_prompt_min_saving if recipe.data.shared_prompt else None,
-            offload_pin_memory=recipe.memory.offload_pin_memory,
-            offload_keep_layers=recipe.memory.offload_keep_layers,
-        )
+        try:
+            self.trainer = RecipeDPOTrainer(
+                model=self.model,
+                ref_model=self.ref_model,
+                args=self.args,
+                train_dataset=self.train_raw,
+                eval_dataset=self.eval_raw,
+                processing_class=self.tokenizer,
+                callbacks=self.callbacks,
+                peft_config=lora.peft_config(recipe.model),
+                memory_callback=self.memory_callback,
+                guard=self.guard,
+                sp=self.sp,
+                shared_prompt=recipe.data.shared_prompt_min_saving if recipe.data.shared_prompt else None,
+                offload_pin_memory=recipe.memory.offload_pin_memory,
+                offload_keep_layers=recipe.memory.offload_keep_layers,
+            )
+        except (ValueError, NotImplementedError) as e:  # DPOTrainer's own checks of its arguments
+            raise RecipeError(f"TRL's DPOTrainer refuses this recipe: {e}") from None
         if recipe.model.use_peft and self.is_main:
             logger.info(lora.trainable_summary(self.trainer.model))
 

@@ -48,6 +48,12 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--loss_type", "dpo"], "`loss_type: dpo` is not one of TRL's DPO losses; choose from sigmoid, hinge, ipo"),
         (["--loss_type", "[sigmoid, sft2]"], "`loss_type: sft2` is not one of TRL's DPO losses"),
         (["--loss_type", "exo_pair"], "`loss_type: exo_pair` needs `label_smoothing` above 0"),
+        (["--eval_strategy", "steps"], "`eval_strategy: steps` needs evaluation pairs: set `data.eval_files`"),
+        (
+            ["--max_steps", "-1", "--num_train_epochs", "0"],
+            "`num_train_epochs: 0.0` with no `max_steps` trains nothing",
+        ),
+        (["--truncation_mode", "middle"], "`truncation_mode` must be keep_start or keep_end, got 'middle'"),
         (["--loss_type", "aot", "--use_weighting", "true"], "`use_weighting: true` .* drop one of the two"),
         (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
         (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
@@ -245,6 +251,16 @@ def test_a_value_trl_refuses_is_one_line_and_overwriting_deletes_nothing_before_
         "--logging_steps"
     ]
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "memory.jsonl"]
+
+
+@pytest.mark.launcher
+def test_a_setting_trls_trainer_refuses_is_one_line(tmp_path):
+    """DPOTrainer checks some of its arguments only when it is built, after the models (here an f-divergence its
+    loss has no form for): one line naming TRL's reason, exit 2, no traceback."""
+    proc = run_train(tmp_path, "--f_divergence_type", "js_divergence", "--loss_type", "apo_zero", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: TRL's DPOTrainer refuses this recipe: `f_divergence_type")
 
 
 def test_every_loss_type_trl_offers_is_accepted():
