@@ -145,11 +145,11 @@ class Run:
             self.args = DPOConfig(**kwargs)  # with `deepspeed` set this starts the process group
         except ValueError as e:  # transformers' and TRL's own checks of their fields, e.g. `logging_steps: 0`
             raise RecipeError(f"TRL's DPOConfig refuses this recipe: {e}") from None
-        if not self.plan_on_data:
-            self._checked()  # every check has passed, TRL's too: only now may an earlier run be deleted
         level = logging.INFO if self.is_main else logging.WARNING
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=level)
         logging.getLogger("longdpo").setLevel(level)
+        if not self.plan_on_data:
+            self._checked()  # every check has passed, TRL's too: only now may an earlier run be deleted
         if memory.memory_cap_gb and torch.cuda.is_available():
             total = torch.cuda.get_device_properties(self.args.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory.memory_cap_gb * 1e9 / total), self.args.device)
