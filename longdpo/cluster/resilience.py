@@ -193,6 +193,59 @@ def delete_earlier_run(output_dir: str, names: list[str]) -> None:
         logger.warning("--overwrite_output_dir: deleted the earlier run's %s from %s", ", ".join(names), output_dir)
 
 
+# The fields of a model's config that set its parameters' shapes. A checkpoint written by a model of other shapes
+# cannot be resumed: torch refuses its optimizer state, with a traceback, once the model is built ("loaded state
+# dict contains a parameter group that doesn't match the size of optimizer's group").
+SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+def check_resume_model(checkpoint: str | None, model_args) -> None:
+    """Before any model is built: the checkpoint to resume was written by the model this recipe builds (the same
+    shapes; LoRA adapters or full fine-tuning, with the same rank)."""
+    if checkpoint is None:
+        return
+    from longdpo.model.build import load_architecture
+
+    fix = "resume with the model settings that wrote it, or start a new run in another `output_dir`."
+    adapter = os.path.join(checkpoint, "adapter_config.json")
+    if os.path.exists(adapter) != bool(model_args.use_peft):
+        held = "LoRA adapters" if os.path.exists(adapter) else "a full fine-tuning run's weights"
+        raise RecipeError(
+            f"`--resume_from_checkpoint`: {checkpoint} holds {held}, and this recipe sets "
+            f"`model.use_peft: {str(bool(model_args.use_peft)).lower()}`; {fix}"
+        )
+    if os.path.exists(adapter):
+        with open(adapter) as f:
+            rank = json.load(f).get("r")
+        if rank is not None and rank != model_args.lora_r:
+            raise RecipeError(
+                f"`--resume_from_checkpoint`: {checkpoint} holds LoRA adapters of rank {rank}, and this recipe sets "
+                f"`model.lora_r: {model_args.lora_r}`; {fix}"
+            )
+    config = os.path.join(checkpoint, "config.json")
+    if not os.path.exists(config):
+        return
+    with open(config) as f:
+        saved = json.load(f)
+    built = load_architecture(model_args).to_dict()
+    for key in SHAPE_FIELDS:
+        if saved.get(key) is not None and built.get(key) is not None and saved[key] != built[key]:
+            raise RecipeError(
+                f"`--resume_from_checkpoint`: {checkpoint} was written by a model with {key} {saved[key]}, and this "
+                f"recipe builds one with {key} {built[key]}; {fix}"
+            )
+
+
 def steps_done(checkpoint: str | None) -> int | None:
     """The optimizer step a checkpoint was saved at (its trainer_state.json), or None."""
     path = os.path.join(checkpoint, "trainer_state.json") if checkpoint else None

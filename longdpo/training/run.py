@@ -170,6 +170,7 @@ class Run:
             dist.barrier()
         if not self.is_main:
             resume = resilience.resolve_resume(requested, self.args.output_dir, False)
+        resilience.check_resume_model(resume, self.recipe.model)
         marker = os.path.join(self.args.output_dir, resilience.PREEMPTED)
         if self.is_main and os.path.exists(marker):
             os.remove(marker)

@@ -10,11 +10,11 @@ import subprocess
 import time
 
 import pytest
-from conftest import BIN, FAULTS, ROOT, TRAIN, ZERO3, free_port, job_env, launch_command, run_train, summary
+from conftest import BIN, FAULTS, ROOT, TINY, TRAIN, ZERO3, free_port, job_env, launch_command, run_train, summary
 
 from longdpo.cluster import resilience
 from longdpo.cluster.distributed import run_job
-from longdpo.config import RecipeError
+from longdpo.config import RecipeError, load_recipe, parse_overrides
 from longdpo.planner.plan import checkpoint_bytes, checkpoints_kept
 
 ARGS = ["--max_steps", "6", "--save_steps", "2", "--report_to", "none"]
@@ -64,6 +64,24 @@ def test_half_written_checkpoint_is_skipped_and_kept(straight, tmp_path):
     assert (tmp_path / "incomplete-checkpoint-6" / "optimizer.pt").exists()  # moved aside, nothing deleted
     assert steps_ran(tmp_path) == [5, 6]
     assert summary(tmp_path)["losses"] == pytest.approx(summary(straight)["losses"], abs=1e-6)
+
+
+def test_resuming_with_another_model_is_one_line_before_the_model_is_built(straight, tmp_path):
+    """The checkpoint's model and the recipe's differ (a layer fewer; LoRA on): one line naming the difference, exit
+    2, nothing moved or deleted, and no model built (torch would refuse the optimizer state with a traceback)."""
+    shutil.copytree(straight / "checkpoint-4", tmp_path / "checkpoint-4")
+    proc = run_train(tmp_path, *ARGS, "--resume_from_checkpoint", "true", "--model.num_hidden_layers", "1", check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert (
+        len(errors) == 1
+        and "was written by a model with num_hidden_layers 2, and this recipe builds one with" in (errors[0])
+    )
+    assert "Tokenizing train dataset" not in proc.stdout
+    lora = load_recipe(TINY, parse_overrides(["--model.use_peft", "true"])).model
+    with pytest.raises(RecipeError, match="holds a full fine-tuning run's weights, and this recipe sets `model.use"):
+        resilience.check_resume_model(str(tmp_path / "checkpoint-4"), lora)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
 def test_resume_true_without_a_complete_checkpoint_is_one_line(tmp_path):
