@@ -166,6 +166,15 @@ def check_output_dir(output_dir: str, resume, overwrite: bool) -> list[str]:
     here: other checks may still refuse the run)."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise RecipeError(f"`output_dir` {output_dir!r} is a file; set `output_dir` to a folder path.")
+    existing = os.path.abspath(output_dir)  # the folder it will be created in (nothing is created here)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RecipeError(
+            f"`output_dir` {output_dir!r} cannot be created: {existing} is a file; set `output_dir` to a folder path."
+        )
+    if not os.access(existing, os.W_OK):
+        raise RecipeError(f"`output_dir` {output_dir!r} cannot be written ({existing} is not writable for you).")
     found = earlier_run(output_dir)
     if overwrite and resume is not None:
         raise RecipeError(

@@ -84,6 +84,16 @@ def test_resuming_with_another_model_is_one_line_before_the_model_is_built(strai
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
+def test_an_output_dir_under_a_file_is_one_line_and_creates_nothing(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(RecipeError, match="cannot be created: .*notes.txt is a file; set `output_dir` to a folder"):
+        resilience.check_output_dir(str(tmp_path / "notes.txt" / "run"), None, False)
+    with pytest.raises(RecipeError, match="is a file; set `output_dir` to a folder path"):
+        resilience.check_output_dir(str(tmp_path / "notes.txt"), None, False)
+    assert resilience.check_output_dir(str(tmp_path / "new" / "run"), None, False) == []
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
 def test_resume_true_without_a_complete_checkpoint_is_one_line(tmp_path):
     proc = run_train(tmp_path, *ARGS, "--resume_from_checkpoint", "true", check=False)
     assert proc.returncode == 2 and "No complete checkpoint in" in proc.stdout and "Traceback" not in proc.stdout
