@@ -26,9 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _gb(value: str, flag: str) -> float:
     try:
-        return float(value.upper().removesuffix("GB"))
+        gb = float(value.upper().removesuffix("GB"))
     except ValueError:
-        raise RecipeError(f"{flag} {value!r} is not a size; write it in GB, e.g. 80GB.") from None
+        gb = 0.0
+    if not gb > 0:  # 0, a negative size or nan: a typo
+        raise RecipeError(f"{flag} {value!r} is not a size; write it in GB, e.g. 80GB.")
+    return gb
 
 
 def measured_on_data(recipe) -> tuple[int | None, int | None]:

@@ -350,6 +350,10 @@ def test_cli_verdicts(capsys, monkeypatch):
     )
     assert float(fewer.stdout.split("host memory per node")[1].split()[0]) > 512
     assert cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--host-memory", "2TB").returncode == 2
+    zero = cli("--recipe", "recipes/nemotron12b/dpo_64k.yaml", "--gpu-memory", "0GB")
+    assert zero.returncode == 2 and "--gpu-memory '0GB' is not a size" in zero.stderr
+    neg = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--max_length", "-5")
+    assert neg.returncode == 2 and "`max_length` must be an integer >= 2" in neg.stderr
     bad = subprocess.run(
         [
             sys.executable,
