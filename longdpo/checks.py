@@ -13,7 +13,7 @@ import os
 import re
 
 from longdpo.config import Recipe, RecipeError, resolve_path, trainer_default
-from longdpo.data import check_data_args
+from longdpo.data import check_data_args, has_eval_data
 from longdpo.model import allocator, liger, offloading, padding_mask, shared_prompt
 from longdpo.model.build import check_model_args, load_architecture
 from longdpo.model.checkpointing import check_mlp_split, check_policy
@@ -222,12 +222,6 @@ def trl_loss_types() -> list[str]:
 
     field = DPOConfig.__dataclass_fields__["loss_type"]
     return re.findall(r"`'(\w+)'`", field.metadata["help"].split("If multiple")[0])
-
-
-def has_eval_data(d) -> bool:
-    return bool(
-        d.eval_files or d.eval_split or any(isinstance(src, dict) and src.get("test_split") for src in d.mixture or [])
-    )
 
 
 def _check_trl_values(t: dict, evaluating: bool) -> None:

@@ -305,11 +305,18 @@ def load_train_data(args: DataArgs):
     return ds
 
 
+def has_eval_data(args: DataArgs) -> bool:
+    """Whether `load_eval_data` finds evaluation pairs, read from the recipe alone (nothing is loaded)."""
+    return bool(args.eval_files) or (
+        not args.synthetic and any(isinstance(src, dict) and src.get("test_split") for src in sources(args))
+    )
+
+
 def load_eval_data(args: DataArgs):
     """`data.eval_files`, else each source's `test_split` (the whole split, as alignment-handbook takes it)."""
     if args.eval_files:
         return load_preferences(args.eval_files, "eval_files")
-    if args.synthetic:
+    if not has_eval_data(args):
         return None
     mixed = args.mixture is not None
     parts = [
