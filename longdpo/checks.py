@@ -12,7 +12,7 @@ import logging
 import os
 import re
 
-from longdpo.config import Recipe, RecipeError, resolve_path, trainer_default
+from longdpo.config import Recipe, RecipeError, is_number, resolve_path, trainer_default
 from longdpo.data import check_data_args, has_eval_data
 from longdpo.model import allocator, liger, offloading, padding_mask, shared_prompt
 from longdpo.model.build import check_model_args, load_architecture
@@ -209,7 +209,7 @@ def _check_trainer(recipe: Recipe, world_size: int) -> None:
 
 def check_max_length(t: dict) -> None:
     max_length = t.get("max_length", trainer_default("max_length"))
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+    if max_length is not None and (not is_number(max_length, whole=True) or max_length < 2):
         raise RecipeError(
             f"`max_length` must be an integer >= 2 (prompt + at least one completion token), got {max_length!r}."
         )
@@ -244,12 +244,12 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
     if mode not in ("keep_start", "keep_end"):  # TRL's two (DPOConfig's help); its trainer refuses others
         problems.found.append(f"`truncation_mode` must be keep_start or keep_end, got {mode!r}.")
     beta = t.get("beta", trainer_default("beta"))
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
+    if not is_number(beta) or beta <= 0:
         problems.found.append(
             f"`beta` must be a number > 0 (how strongly the policy is held to the reference, e.g. 0.1), got {beta!r}."
         )
     lr = t.get("learning_rate", trainer_default("learning_rate"))
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
+    if not is_number(lr) or lr < 0:
         problems.found.append(f"`learning_rate` must be a number >= 0 (e.g. 5e-7), got {lr!r}.")
     loss_type = t.get("loss_type", trainer_default("loss_type"))
     names = [loss_type] if isinstance(loss_type, str) else list(loss_type or [])
@@ -320,7 +320,7 @@ def derive_accumulation(recipe: Recipe, world_size: int) -> None:
     want = recipe.data.global_batch_size
     if want is None:
         return
-    if isinstance(want, bool) or not isinstance(want, int) or want < 1:
+    if not is_number(want, whole=True) or want < 1:
         raise RecipeError(
             f"`data.global_batch_size` must be a positive integer (pairs per optimizer step) or null, got {want!r}."
         )

@@ -400,6 +400,12 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
     return Recipe(**sections, trainer=trainer, path=str(path) if path is not None else None)
 
 
+def is_number(value, whole: bool = False) -> bool:
+    """An int (or, unless `whole`, a float) as a recipe value: YAML's `true` is a bool, which Python counts as an
+    int, and is not a number here."""
+    return not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
+
+
 def resolve_path(p: str) -> str:
     """Paths in recipes are relative to the working directory, else to the repo root."""
     if os.path.exists(p) or os.path.isabs(p):

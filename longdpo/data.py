@@ -14,7 +14,7 @@ import os
 import random
 import string
 
-from longdpo.config import DataArgs, RecipeError, resolve_path, trainer_default
+from longdpo.config import DataArgs, RecipeError, is_number, resolve_path, trainer_default
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -113,7 +113,7 @@ def _check_mixture(args: DataArgs) -> None:
         if isinstance(src.get("files"), str):
             src["files"] = [src["files"]]
         fraction = src.get("fraction", 1.0)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        if not is_number(fraction) or not 0 < fraction <= 1:
             raise RecipeError(
                 f"`{key}.fraction` is the share of the source's rows to train on, in (0, 1]; got {fraction!r}."
             )

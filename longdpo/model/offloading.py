@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from longdpo.config import RecipeError
+from longdpo.config import RecipeError, is_number
 from longdpo.model.checkpointing import _in_backward
 
 
@@ -52,7 +52,7 @@ class _Kept:
 
 def check(keep_layers, offloading: bool, num_layers) -> None:
     """`num_layers`: a callable giving the model's layer count (read from its config only when layers are kept)."""
-    if isinstance(keep_layers, bool) or not isinstance(keep_layers, int) or keep_layers < 0:
+    if not is_number(keep_layers, whole=True) or keep_layers < 0:
         raise RecipeError(f"`memory.offload_keep_layers` must be a whole number >= 0, got {keep_layers!r}.")
     if keep_layers and not offloading:
         raise RecipeError(

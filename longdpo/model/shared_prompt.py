@@ -45,7 +45,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from longdpo.config import RecipeError
+from longdpo.config import RecipeError, is_number
 
 NAME = "longdpo_shared_prompt"
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -88,7 +88,7 @@ AttentionInterface.register(NAME, shared_attention)
 def check(shared: bool, min_saving, padding_free: bool, padding_mask: str) -> None:
     if not isinstance(shared, bool):
         raise RecipeError(f"`data.shared_prompt` must be true or false, got {shared!r}.")
-    if isinstance(min_saving, bool) or not isinstance(min_saving, (int, float)) or not 0 <= min_saving < 1:
+    if not is_number(min_saving) or not 0 <= min_saving < 1:
         raise RecipeError(
             f"`data.shared_prompt_min_saving` must be a fraction in [0, 1) (e.g. 0.2), got {min_saving!r}."
         )
