@@ -11,8 +11,9 @@
 
 Any `--key value` overrides the recipe (`--max_steps 10`, `--memory.checkpointing attn_mlp`).
 `--resume_from_checkpoint <dir|true|auto>` continues a run from a complete checkpoint (true: the newest; auto: the
-newest if there is one, else from step 0); `--overwrite_output_dir` deletes an earlier run's checkpoints and records
-in output_dir first (a used output_dir is refused otherwise); `--no_final_save` skips saving the final model;
+newest if there is one, else from step 0); `--overwrite_output_dir` replaces an earlier run's checkpoints and records
+in output_dir (deleted once training starts; a run stopped before then puts them back; a used output_dir is refused
+otherwise); `--no_final_save` skips saving the final model;
 `--skip-preflight` runs even when the planner predicts it will not fit.
 Exit status: 0 done, 2 a recipe or command-line problem, 3 out of GPU memory, 4 a non-finite loss or gradient norm,
 75 saved and stopped on a signal (preemption: resume with `--resume_from_checkpoint auto`).
@@ -49,12 +50,16 @@ def main(argv: list[str] | None = None) -> dict:
     run = Run(sys.argv[1:] if argv is None else argv)
     run.set_allocator()  # before torch is imported: the allocator reads its setting once, at CUDA's start
     run.check_at_start()  # the recipe, the output dir, the planner's verdict: every problem at once
-    run.training_arguments()  # TRL's DPOConfig; under DeepSpeed this starts the process group
-    run.resume_point()
-    run.load_data()  # tokenizer and pairs, checked before any model exists
-    run.build_models()
-    run.build_trainer()
-    run.log_scale()
+    try:
+        run.training_arguments()  # TRL's DPOConfig; under DeepSpeed this starts the process group
+        run.resume_point()
+        run.load_data()  # tokenizer and pairs, checked before any model exists
+        run.build_models()
+        run.build_trainer()
+        run.log_scale()
+    except BaseException:  # stopped before training: --overwrite_output_dir's earlier run goes back, untouched
+        run.put_back_earlier_run()
+        raise
     run.train()
     if run.preempted:
         return {"preempted_at": run.guard.preempted_at, "signal": run.guard.signal_received}

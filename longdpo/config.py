@@ -466,7 +466,7 @@ def parse_cli(argv: list[str]) -> dict:
         if key == "--skip-preflight":
             cli["preflight"] = False
             continue
-        if key == "--overwrite_output_dir":  # delete an earlier run's checkpoints and records in output_dir
+        if key == "--overwrite_output_dir":  # replace an earlier run's checkpoints and records in output_dir
             cli["overwrite"] = True
             continue
         if not eq:  # the value is the next argument, whatever it looks like

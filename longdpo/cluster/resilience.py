@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import torch
 from transformers import TrainerCallback
@@ -157,12 +158,14 @@ def earlier_run(output_dir: str) -> list[str]:
     return sorted(
         name
         for name in os.listdir(output_dir)
-        if _CHECKPOINT.match(name) or name in RUN_RECORDS or name.startswith("incomplete-checkpoint-")
+        if _CHECKPOINT.match(name)
+        or name in RUN_RECORDS
+        or name.startswith(("incomplete-checkpoint-", SET_ASIDE_PREFIX))
     )
 
 
 def check_output_dir(output_dir: str, resume, overwrite: bool) -> list[str]:
-    """Start-up check of the output dir; returns what `--overwrite_output_dir` is to delete (nothing is deleted
+    """Start-up check of the output dir; returns what `--overwrite_output_dir` is to replace (nothing is moved
     here: other checks may still refuse the run)."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise RecipeError(f"`output_dir` {output_dir!r} is a file; set `output_dir` to a folder path.")
@@ -191,15 +194,54 @@ def check_output_dir(output_dir: str, resume, overwrite: bool) -> list[str]:
     return found if overwrite else []
 
 
-def delete_earlier_run(output_dir: str, names: list[str]) -> None:
+# --overwrite_output_dir moves the earlier run into one hidden folder of output_dir (a rename: instant for checkpoints
+# of any size) and deletes it only once training starts: a run stopped before then (a bad data file, a setting TRL's
+# trainer refuses, a model that fails to load, Ctrl-C) puts it back, so a refused rerun loses nothing. A folder left
+# by a killed process counts as part of an earlier run (earlier_run), so the next start sees it.
+SET_ASIDE_PREFIX = ".overwritten-"
+
+
+def set_aside_earlier_run(output_dir: str, names: list[str]) -> str | None:
+    if not names:
+        return None
+    aside = os.path.join(output_dir, SET_ASIDE_PREFIX + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(aside)
     for name in names:
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-    if names:
-        logger.warning("--overwrite_output_dir: deleted the earlier run's %s from %s", ", ".join(names), output_dir)
+        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    logger.warning(
+        "--overwrite_output_dir: the earlier run's %s set aside in %s until training starts", ", ".join(names), aside
+    )
+    return aside
+
+
+def delete_set_aside(aside: str | None) -> None:
+    if aside and os.path.isdir(aside):
+        names = sorted(os.listdir(aside))
+        shutil.rmtree(aside)
+        logger.warning(
+            "--overwrite_output_dir: deleted the earlier run's %s from %s", ", ".join(names), os.path.dirname(aside)
+        )
+
+
+def put_back_earlier_run(aside: str | None) -> None:
+    """The run stopped before training: the earlier run goes back where it was (a name this run wrote meanwhile,
+    unless an empty folder, keeps the earlier one's copy in `aside`, said in one line)."""
+    if not aside or not os.path.isdir(aside):
+        return
+    output_dir, kept = os.path.dirname(aside), []
+    for name in sorted(os.listdir(aside)):
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target) and not os.listdir(target):
+            os.rmdir(target)
+        if os.path.exists(target):
+            kept.append(name)
+        else:
+            os.rename(os.path.join(aside, name), target)
+    if kept:
+        logger.warning("the earlier run's %s kept in %s (this run wrote the same names)", ", ".join(kept), aside)
+    else:
+        os.rmdir(aside)
+        logger.warning("stopped before training: the earlier run is back in %s, untouched", output_dir)
 
 
 # The fields of a model's config that set its parameters' shapes. A checkpoint written by a model of other shapes

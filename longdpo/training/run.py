@@ -35,7 +35,8 @@ class Run:
         self.cli = parse_cli(argv)
         self.recipe = self.args = self.tokenizer = self.trainer = self.prediction = None
         self.seq = None  # tokens per sequence the planner plans for (max_length, or the data's longest pair)
-        self.earlier_run: list[str] = []  # what --overwrite_output_dir deletes once every check has passed
+        self.earlier_run: list[str] = []  # what --overwrite_output_dir replaces once every check has passed
+        self.set_aside: str | None = None  # where it waits until training starts (resilience.set_aside_earlier_run)
 
     @property
     def is_main(self) -> bool:
@@ -96,7 +97,7 @@ class Run:
         )
 
     def _checked(self) -> None:
-        """Every check has passed: the disk, and only then the earlier run's deletion (--overwrite_output_dir)."""
+        """Every check has passed: the disk, and only then the earlier run set aside (--overwrite_output_dir)."""
         from longdpo.cluster import resilience
         from longdpo.cluster.distributed import stale_build_locks
 
@@ -105,7 +106,7 @@ class Run:
             if warning and self.is_main:
                 logger.warning(warning)
         if self.is_main:
-            resilience.delete_earlier_run(self.output_dir, self.earlier_run)
+            self.set_aside = resilience.set_aside_earlier_run(self.output_dir, self.earlier_run)
             for lock in stale_build_locks():
                 logger.warning(
                     "stale build lock %s (over 30 min old): if DeepSpeed's start hangs here, delete it", lock
@@ -149,7 +150,7 @@ class Run:
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=level)
         logging.getLogger("longdpo").setLevel(level)
         if not self.plan_on_data:
-            self._checked()  # every check has passed, TRL's too: only now may an earlier run be deleted
+            self._checked()  # every check has passed, TRL's too: only now may an earlier run be set aside
         if memory.memory_cap_gb and torch.cuda.is_available():
             total = torch.cuda.get_device_properties(self.args.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, memory.memory_cap_gb * 1e9 / total), self.args.device)
@@ -344,6 +345,14 @@ class Run:
                 allocated["source"],
             )
 
+    def put_back_earlier_run(self) -> None:
+        """The run stopped before training: an earlier run set aside by --overwrite_output_dir goes back."""
+        from longdpo.cluster import resilience
+
+        if self.is_main:
+            resilience.put_back_earlier_run(self.set_aside)
+            self.set_aside = None
+
     # ---- 7. train, 8. save, 9. summary ------------------------------------------------------------------------
 
     def train(self) -> None:
@@ -355,6 +364,9 @@ class Run:
         from longdpo.cluster import resilience
         from longdpo.planner.preflight import oom_report
 
+        if self.is_main:  # training starts: the earlier run this one replaces goes now
+            resilience.delete_set_aside(self.set_aside)
+            self.set_aside = None
         try:
             with patches.trl_log_prob_function(self.recipe.memory.lean_lm_head):
                 self.result = self.trainer.train(resume_from_checkpoint=self.resume)

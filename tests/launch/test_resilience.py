@@ -328,6 +328,36 @@ def _alive_in_session(sid: int) -> bool:
     return any(_session(p) == sid for p in psutil.process_iter())
 
 
+def test_an_earlier_run_set_aside_goes_back_or_is_deleted(tmp_path):
+    """--overwrite_output_dir's earlier run: set aside by a rename, deleted when training starts, put back when the
+    run stops before; a name the stopped run wrote meanwhile keeps the earlier copy aside (an empty folder the
+    stopped run made does not count), and a set-aside folder a killed process left is part of an earlier run."""
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "w").write_text("old weights")
+    (tmp_path / "memory.jsonl").write_text("old")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "events").write_text("old events")
+    names = resilience.check_output_dir(str(tmp_path), None, True)
+    assert names == ["checkpoint-2", "memory.jsonl", "runs"]
+
+    aside = resilience.set_aside_earlier_run(str(tmp_path), names)
+    assert resilience.earlier_run(str(tmp_path)) == [os.path.basename(aside)]  # a killed run's leftover counts
+    (tmp_path / "runs").mkdir()  # what a stopped run may have made: an empty folder, and one record
+    (tmp_path / "memory.jsonl").write_text("new")
+    resilience.put_back_earlier_run(aside)
+    assert (tmp_path / "checkpoint-2" / "w").read_text() == "old weights"
+    assert (tmp_path / "runs" / "events").read_text() == "old events"
+    assert (tmp_path / "memory.jsonl").read_text() == "new" and os.listdir(aside) == ["memory.jsonl"]
+
+    (tmp_path / "memory.jsonl").unlink()
+    resilience.put_back_earlier_run(aside)
+    assert (tmp_path / "memory.jsonl").read_text() == "old" and not os.path.exists(aside)
+
+    aside = resilience.set_aside_earlier_run(str(tmp_path), resilience.earlier_run(str(tmp_path)))
+    resilience.delete_set_aside(aside)
+    assert os.listdir(tmp_path) == [] and resilience.set_aside_earlier_run(str(tmp_path), []) is None
+
+
 def test_a_used_output_dir_is_refused_unless_resumed_or_overwritten(straight, tmp_path):
     """A rerun into a folder holding another run (other learning rate, fewer steps) used to overwrite checkpoint-2
     and -4, keep the old -6 beside them, and a later resume took the old run's -6. Now: one line, exit 2, before

@@ -254,13 +254,30 @@ def test_a_value_trl_refuses_is_one_line_and_overwriting_deletes_nothing_before_
 
 
 @pytest.mark.launcher
-def test_a_setting_trls_trainer_refuses_is_one_line(tmp_path):
+def test_a_setting_trls_trainer_refuses_is_one_line_and_overwriting_loses_nothing(tmp_path):
     """DPOTrainer checks some of its arguments only when it is built, after the models (here an f-divergence its
-    loss has no form for): one line naming TRL's reason, exit 2, no traceback."""
-    proc = run_train(tmp_path, "--f_divergence_type", "js_divergence", "--loss_type", "apo_zero", check=False)
+    loss has no form for): one line naming TRL's reason, exit 2, no traceback. With --overwrite_output_dir the
+    earlier run was set aside by then; the refused run puts it back, every file as it was."""
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "model.safetensors").write_text("weights")
+    (tmp_path / "memory.jsonl").write_text("{}\n")
+    (tmp_path / "notes.txt").write_text("not a run's file")
+    before = sorted((str(p.relative_to(tmp_path)), p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*"))
+    proc = run_train(
+        tmp_path,
+        "--f_divergence_type",
+        "js_divergence",
+        "--loss_type",
+        "apo_zero",
+        "--overwrite_output_dir",
+        check=False,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: TRL's DPOTrainer refuses this recipe: `f_divergence_type")
+    assert "set aside in" in proc.stdout and "the earlier run is back in" in proc.stdout  # it was moved, then back
+    after = sorted((str(p.relative_to(tmp_path)), p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*"))
+    assert after == before
 
 
 def test_every_loss_type_trl_offers_is_accepted():
