@@ -38,7 +38,7 @@ import os
 import re
 import shutil
 import signal
-import time
+import tempfile
 
 import torch
 from transformers import TrainerCallback
@@ -204,8 +204,7 @@ SET_ASIDE_PREFIX = ".overwritten-"
 def set_aside_earlier_run(output_dir: str, names: list[str]) -> str | None:
     if not names:
         return None
-    aside = os.path.join(output_dir, SET_ASIDE_PREFIX + time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(aside)
+    aside = tempfile.mkdtemp(prefix=SET_ASIDE_PREFIX, dir=output_dir)
     for name in names:
         os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
     logger.warning(
