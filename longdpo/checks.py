@@ -251,6 +251,9 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
     lr = t.get("learning_rate", trainer_default("learning_rate"))
     if not is_number(lr) or lr < 0:
         problems.found.append(f"`learning_rate` must be a number >= 0 (e.g. 5e-7), got {lr!r}.")
+    seed = t.get("seed", trainer_default("seed"))  # numpy's range: the trainer's set_seed refuses others, late
+    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
+        problems.found.append(f"`seed` must be a whole number from 0 to 2**32 - 1, got {seed!r}.")
     loss_type = t.get("loss_type", trainer_default("loss_type"))
     names = [loss_type] if isinstance(loss_type, str) else list(loss_type or [])
     known = trl_loss_types()

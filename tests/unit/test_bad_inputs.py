@@ -45,6 +45,7 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--beta", "-0.1"], "`beta` must be a number > 0"),
         (["--beta", "0"], "`beta` must be a number > 0"),
         (["--learning_rate", "-1e-6"], "`learning_rate` must be a number >= 0"),
+        (["--seed", "-1"], r"`seed` must be a whole number from 0 to 2\*\*32 - 1, got -1"),
         (["--loss_type", "dpo"], "`loss_type: dpo` is not one of TRL's DPO losses; choose from sigmoid, hinge, ipo"),
         (["--loss_type", "[sigmoid, sft2]"], "`loss_type: sft2` is not one of TRL's DPO losses"),
         (["--loss_type", "exo_pair"], "`loss_type: exo_pair` needs `label_smoothing` above 0"),
