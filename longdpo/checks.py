@@ -251,6 +251,15 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
     lr = t.get("learning_rate", trainer_default("learning_rate"))
     if not is_number(lr) or lr < 0:
         problems.found.append(f"`learning_rate` must be a number >= 0 (e.g. 5e-7), got {lr!r}.")
+    smoothing = t.get("label_smoothing", trainer_default("label_smoothing"))  # TRL's DPOConfig help: in [0, 0.5)
+    if not is_number(smoothing) or not 0 <= smoothing < 0.5:
+        problems.found.append(
+            f"`label_smoothing` must be in [0, 0.5) (the chance a preference label is flipped, e.g. 0.1), got "
+            f"{smoothing!r}."
+        )
+    decay = t.get("weight_decay", trainer_default("weight_decay"))
+    if not is_number(decay) or decay < 0:
+        problems.found.append(f"`weight_decay` must be a number >= 0 (e.g. 0.0 or 0.01), got {decay!r}.")
     seed = t.get("seed", trainer_default("seed"))  # numpy's range: the trainer's set_seed refuses others, late
     if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
         problems.found.append(f"`seed` must be a whole number from 0 to 2**32 - 1, got {seed!r}.")

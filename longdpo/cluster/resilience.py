@@ -113,7 +113,12 @@ def resolve_resume(requested, output_dir: str, is_main: bool) -> str | None:
     if requested is None:
         return None
     if requested not in (True, "auto"):
-        problem = why_incomplete(requested) if os.path.isdir(requested) else "it does not exist"
+        if not os.path.exists(requested):
+            raise RecipeError(
+                f"--resume_from_checkpoint {requested}: no such folder; pass a checkpoint folder, `true` (the newest "
+                "complete checkpoint in output_dir) or `auto` (that, or a fresh start when there is none)."
+            )
+        problem = why_incomplete(requested) if os.path.isdir(requested) else "it is not a folder"
         if problem:
             newest = last_complete(os.path.dirname(os.path.abspath(requested)))
             hint = f"resume from {newest}" if newest else "start without --resume_from_checkpoint"

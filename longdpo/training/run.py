@@ -146,6 +146,7 @@ class Run:
             self.args = DPOConfig(**kwargs)  # with `deepspeed` set this starts the process group
         except ValueError as e:  # transformers' and TRL's own checks of their fields, e.g. `logging_steps: 0`
             raise RecipeError(f"TRL's DPOConfig refuses this recipe: {e}") from None
+        _check_optimizer(self.args)
         level = logging.INFO if self.is_main else logging.WARNING
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=level)
         logging.getLogger("longdpo").setLevel(level)
@@ -482,6 +483,20 @@ def name_model_card(output_dir: str, model_args) -> None:
     text = text.replace('model="None"', f'model="{output_dir}"')
     with open(card, "w") as f:
         f.write(text)
+
+
+def _check_optimizer(args) -> None:
+    """An `optim` whose package is missing (bitsandbytes for the 8-bit ones, torchao, ...) fails only when the
+    trainer makes the optimizer, after the models loaded, with an ImportError traceback: asked here instead."""
+    from transformers import Trainer
+
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(args)
+    except ImportError as e:
+        name = getattr(args.optim, "value", args.optim)
+        raise RecipeError(f"`optim: {name}` needs a package that is not installed: {e}") from None
+    except ValueError:  # optimizers built around the model (GaLore, APOLLO): the trainer checks those itself
+        pass
 
 
 def exit_status(main, help_text) -> int:

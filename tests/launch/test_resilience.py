@@ -94,6 +94,15 @@ def test_an_output_dir_under_a_file_is_one_line_and_creates_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
 
 
+def test_resuming_from_a_folder_that_does_not_exist_names_the_accepted_values(tmp_path):
+    """`--resume_from_checkpoint maybe` (a typo of true/auto) used to read "Checkpoint maybe is not complete"."""
+    with pytest.raises(RecipeError, match=r"maybe: no such folder; pass a checkpoint folder, `true` .* or `auto`"):
+        resilience.resolve_resume("maybe", str(tmp_path), True)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RecipeError, match="is not complete .it is not a folder"):
+        resilience.resolve_resume(str(tmp_path / "a_file"), str(tmp_path), True)
+
+
 def test_resume_true_without_a_complete_checkpoint_is_one_line(tmp_path):
     proc = run_train(tmp_path, *ARGS, "--resume_from_checkpoint", "true", check=False)
     assert proc.returncode == 2 and "No complete checkpoint in" in proc.stdout and "Traceback" not in proc.stdout

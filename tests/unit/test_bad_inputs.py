@@ -46,6 +46,8 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--beta", "0"], "`beta` must be a number > 0"),
         (["--learning_rate", "-1e-6"], "`learning_rate` must be a number >= 0"),
         (["--seed", "-1"], r"`seed` must be a whole number from 0 to 2\*\*32 - 1, got -1"),
+        (["--label_smoothing", "0.7"], r"`label_smoothing` must be in \[0, 0.5\) .* got 0.7"),
+        (["--weight_decay", "-0.1"], "`weight_decay` must be a number >= 0"),
         (["--loss_type", "dpo"], "`loss_type: dpo` is not one of TRL's DPO losses; choose from sigmoid, hinge, ipo"),
         (["--loss_type", "[sigmoid, sft2]"], "`loss_type: sft2` is not one of TRL's DPO losses"),
         (["--loss_type", "exo_pair"], "`loss_type: exo_pair` needs `label_smoothing` above 0"),
@@ -469,3 +471,17 @@ def test_prompt_tokens_are_counted_as_trl_drops_pairs(conversational):
     trl = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=raw, processing_class=tok).train_dataset
     assert isinstance(trl, datasets.Dataset) and len(trl) == len(raw)
     assert [prompt_tokens(tok, row) for row in raw] == [len(ids) for ids in trl["prompt_ids"]]
+
+
+def test_an_optimizer_whose_package_is_missing_is_one_line(tmp_path):
+    """`optim: adamw_8bit` without bitsandbytes was an ImportError traceback when the trainer made the optimizer,
+    after the models loaded; now one line at start-up, before any model."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes"):
+        pytest.skip("bitsandbytes is installed here: adamw_8bit is then a valid choice")
+    proc = run_train(tmp_path / "out", "--optim", "adamw_8bit", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: `optim: adamw_8bit` needs a package that is not installed")
+    assert "bitsandbytes" in errors[0] and "length report" not in proc.stdout  # before the data and the models
