@@ -261,7 +261,7 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
     if not is_number(decay) or decay < 0:
         problems.found.append(f"`weight_decay` must be a number >= 0 (e.g. 0.0 or 0.01), got {decay!r}.")
     seed = t.get("seed", trainer_default("seed"))  # numpy's range: the trainer's set_seed refuses others, late
-    if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32):
+    if not is_number(seed, whole=True) or not 0 <= seed < 2**32:
         problems.found.append(f"`seed` must be a whole number from 0 to 2**32 - 1, got {seed!r}.")
     loss_type = t.get("loss_type", trainer_default("loss_type"))
     names = [loss_type] if isinstance(loss_type, str) else list(loss_type or [])
@@ -272,7 +272,7 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
                 f"`loss_type: {name}` is not one of TRL's DPO losses; choose from {', '.join(known)}."
             )
     # Two of DPOTrainer's own refusals, which it makes only once the models are loaded (TRL 1.16, its __init__).
-    if "exo_pair" in names and not t.get("label_smoothing", trainer_default("label_smoothing")):
+    if "exo_pair" in names and not smoothing:
         problems.found.append("`loss_type: exo_pair` needs `label_smoothing` above 0 (its paper uses 1e-3).")
     if t.get("use_weighting") and {"aot", "aot_unpaired"} & set(names):
         problems.found.append(
