@@ -16,6 +16,7 @@ import os
 import sys
 
 from longdpo.checks import check_max_length
+from longdpo.data import check_data_args
 from longdpo.config import RecipeError, load_recipe, parse_overrides
 from longdpo.patches import quiet_deprecation_warnings
 from longdpo.planner.levers import positive_int
@@ -41,10 +42,8 @@ def measured_on_data(recipe) -> tuple[int | None, int | None]:
 
     if not plan_on_data(recipe):
         return None, None
-    from longdpo.checks import check_data_args
     from longdpo.model.build import load_tokenizer
 
-    check_data_args(recipe.data)
     seq, pair_tokens = measured_for_plan(recipe, load_tokenizer(recipe.model), load_train_data(recipe.data))
     if seq:
         print(f"max_length: null: the data's longest pair is {seq} tokens; planning for it")
@@ -85,6 +84,7 @@ def main(argv=None) -> int:
     try:
         recipe = load_recipe(args.recipe, parse_overrides(rest))
         check_max_length(recipe.trainer)
+        check_data_args(recipe.data)
         ds = None
         if args.deepspeed is None:
             args.deepspeed = recipe.trainer.get("deepspeed") or (

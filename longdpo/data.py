@@ -29,9 +29,14 @@ def check_data_args(args: DataArgs) -> None:
         args.eval_files = [args.eval_files]
     if args.synthetic is not None:
         keys, optional = {"pairs", "seq_tokens", "prompt_tokens"}, {"rejected_tokens"}
-        if not isinstance(args.synthetic, dict) or not keys <= set(args.synthetic) <= keys | optional:
+        if (
+            not isinstance(args.synthetic, dict)
+            or not keys <= set(args.synthetic) <= keys | optional
+            or not all(type(v) is int for v in args.synthetic.values())
+        ):
             raise RecipeError(
-                f"`data.synthetic` must be a mapping with the keys {sorted(keys)} (and optionally rejected_tokens)."
+                f"`data.synthetic` must be a mapping of whole numbers with the keys {sorted(keys)} (and optionally "
+                "rejected_tokens), e.g. '{pairs: 4, seq_tokens: 65536, prompt_tokens: 4096}'."
             )
         s = args.synthetic
         if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:

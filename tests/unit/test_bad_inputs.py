@@ -61,7 +61,8 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
         (["--data.train_files", "[requirements.txt]"], "unsupported extension"),
         (["--data.train_files", "[]"], "No training data"),
-        (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "must be a mapping with the keys"),
+        (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "must be a mapping of whole numbers with the keys"),
+        (["--data.synthetic", "{pairs: 2, seq_tokens: 10, prompt_tokens: 2.5}"], "must be a mapping of whole numbers"),
         (["--model.name_or_path", "some/dir"], "Set exactly one of `model.name_or_path`"),
         (
             ["--model.architecture", "null", "--model.name_or_path", "org/model"],

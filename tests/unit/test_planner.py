@@ -354,6 +354,10 @@ def test_cli_verdicts(capsys, monkeypatch):
     assert zero.returncode == 2 and "--gpu-memory '0GB' is not a size" in zero.stderr
     neg = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--max_length", "-5")
     assert neg.returncode == 2 and "`max_length` must be an integer >= 2" in neg.stderr
+    for spec in ("{pairs:4,seq_tokens:131072}", "{pairs: 4, seq_tokens: 131072, prompt_tokens: x}"):
+        typo = cli("--recipe", "recipes/nemotron12b/dpo_lora_64k.yaml", "--data.synthetic", spec)
+        assert typo.returncode == 2 and typo.stderr.startswith("error: `data.synthetic` must be a mapping")
+        assert "Traceback" not in typo.stderr
     bad = subprocess.run(
         [
             sys.executable,
