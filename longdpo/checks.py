@@ -260,6 +260,14 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
     decay = t.get("weight_decay", trainer_default("weight_decay"))
     if not is_number(decay) or decay < 0:
         problems.found.append(f"`weight_decay` must be a number >= 0 (e.g. 0.0 or 0.01), got {decay!r}.")
+    for kind in ("save", "logging", "eval"):  # transformers takes <= 0 silently (no saves) or refuses it late
+        strategy, steps = t.get(f"{kind}_strategy", trainer_default(f"{kind}_strategy")), t.get(f"{kind}_steps")
+        if str(strategy).lower().endswith("steps") and steps is not None:
+            if not is_number(steps) or steps <= 0 or (steps > 1 and steps != int(steps)):
+                problems.found.append(
+                    f"`{kind}_steps` must be a whole number of steps >= 1 (or a fraction of the run below 1), got "
+                    f"{steps!r}; to turn it off, set `{kind}_strategy: no`."
+                )
     seed = t.get("seed", trainer_default("seed"))  # numpy's range: the trainer's set_seed refuses others, late
     if not is_number(seed, whole=True) or not 0 <= seed < 2**32:
         problems.found.append(f"`seed` must be a whole number from 0 to 2**32 - 1, got {seed!r}.")
