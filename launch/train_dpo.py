@@ -16,7 +16,8 @@ in output_dir (deleted once training starts; a run stopped before then puts them
 otherwise); `--no_final_save` skips saving the final model;
 `--skip-preflight` runs even when the planner predicts it will not fit.
 Exit status: 0 done, 2 a recipe or command-line problem, 3 out of GPU memory, 4 a non-finite loss or gradient norm,
-75 saved and stopped on a signal (preemption: resume with `--resume_from_checkpoint auto`).
+75 saved and stopped on a signal (preemption: resume with `--resume_from_checkpoint auto`; a signal while the
+models load stops before the first step, with nothing to save).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     except BaseException:  # stopped before training: --overwrite_output_dir's earlier run goes back, untouched
         run.put_back_earlier_run()
         raise
+    if run.signalled_during_setup():
+        return {"preempted_at": None, "signal": run.guard.signal_received}
     run.train()
     if run.preempted:
         return {"preempted_at": run.guard.preempted_at, "signal": run.guard.signal_received}

@@ -354,6 +354,29 @@ class Run:
             resilience.put_back_earlier_run(self.set_aside)
             self.set_aside = None
 
+    def signalled_during_setup(self) -> bool:
+        """A save signal (or the launcher gone) while the models loaded: stop before the first step, which the
+        launcher's kill (30 s after its SIGTERM) may cut short at long context. Nothing was trained, so nothing is
+        saved; an earlier run set aside by --overwrite_output_dir goes back."""
+        from longdpo.cluster import resilience
+        from longdpo.cluster.distributed import max_over_ranks
+
+        guard = self.guard
+        if guard.signal_received is None and (gone := resilience.launcher_gone(guard.launchers)):
+            guard.signal_received, guard.stop_reason = "launcher exited", gone
+        if not max_over_ranks([float(guard.signal_received is not None)])[0]:
+            return False
+        earlier = self.set_aside is not None
+        self.put_back_earlier_run()
+        if self.is_main:
+            logger.warning(
+                "%s before training started: stopped with nothing trained or saved%s; run the same command again "
+                "to start",
+                guard.stop_reason or "another rank was signalled",
+                " (the earlier run in output_dir is back in place)" if earlier else "",
+            )
+        return True
+
     # ---- 7. train, 8. save, 9. summary ------------------------------------------------------------------------
 
     def train(self) -> None:
