@@ -5,6 +5,7 @@ library itself reads no fault switches):
     FAULT=nan:3            the loss of step 3 is NaN on every rank
     FAULT=oom:3            step 3 starts with a CUDA out-of-memory error (none can be provoked on a CPU)
     FAULT=signal:3:SIGUSR1 after step 3, rank 0 signals its whole process group, as SLURM signals a job
+    FAULT=signal:0:SIGTERM the same while the models load (once the trainer is built, before the first step)
     FAULT=disk:1000000     the output dir's disk has this many bytes free
 """
 
@@ -41,7 +42,7 @@ elif KIND == "oom":
         return begin(self, args, state, control, **kwargs)
 
     MemoryCallback.on_step_begin = oom
-elif KIND == "signal":
+elif KIND == "signal" and int(STEP) > 0:
     end = resilience.ResilienceCallback.on_step_end
 
     def signal_then_end(self, args, state, control, **kwargs):
@@ -50,6 +51,17 @@ elif KIND == "signal":
         return end(self, args, state, control, **kwargs)
 
     resilience.ResilienceCallback.on_step_end = signal_then_end
+elif KIND == "signal" and int(STEP) == 0:
+    from longdpo.training.run import Run
+
+    build = Run.build_trainer
+
+    def build_then_signal(self):
+        build(self)
+        if self.is_main:
+            os.killpg(os.getpgrp(), getattr(signal, NAME))
+
+    Run.build_trainer = build_then_signal
 elif KIND == "disk":
     resilience.free_bytes = lambda output_dir: int(STEP)
 else:

@@ -50,6 +50,22 @@ def test_sigterm_saves_at_that_step_exits_75_and_resume_continues_the_curve(stra
     assert not (tmp_path / "preempted.json").exists()
 
 
+def test_a_signal_while_the_models_load_stops_before_training_and_puts_an_overwritten_run_back(straight, tmp_path):
+    """The launcher kills the ranks 30 s after its SIGTERM: a first long-context step started then is cut short, so
+    the run stops before it; --overwrite_output_dir's earlier run, not yet deleted, goes back."""
+    shutil.copytree(straight, tmp_path, dirs_exist_ok=True)
+    before = {p: os.path.getsize(tmp_path / p) for p in os.listdir(tmp_path) if (tmp_path / p).is_file()}
+    proc = run_train(
+        tmp_path, *ARGS, "--overwrite_output_dir", check=False, script=FAULTS, env={"FAULT": "signal:0:SIGTERM"}
+    )
+    assert proc.returncode == 75, proc.stdout[-3000:]
+    assert "SIGTERM received before training started: stopped with nothing trained or saved" in proc.stdout
+    assert "the earlier run in output_dir is back in place" in proc.stdout
+    after = {p: os.path.getsize(tmp_path / p) for p in os.listdir(tmp_path) if (tmp_path / p).is_file()}
+    assert after == before and not any(p.startswith(resilience.SET_ASIDE_PREFIX) for p in os.listdir(tmp_path))
+    assert steps_ran(tmp_path) == steps_ran(straight)  # the earlier run's records, no step of the stopped one
+
+
 def test_half_written_checkpoint_is_skipped_and_kept(straight, tmp_path):
     for step in (2, 4, 6):
         shutil.copytree(straight / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
