@@ -4,7 +4,8 @@ a non-finite loss or gradient norm.
 Preemption. SIGUSR1 and SIGTERM (`run.save_on_signals`) only raise a flag; at the next optimizer-step boundary every
 rank agrees on it (one MAX all-reduce per step, shared with the non-finite check), the Trainer saves a checkpoint of
 that step, and the process exits with status 75 after writing `preempted.json` to the output dir.
-Resuming with `--resume_from_checkpoint auto` continues the same curve.
+Resuming with `--resume_from_checkpoint auto` continues the same curve. A signal that comes while the models load
+stops the run before its first step (nothing to save), since the launcher's kill would cut a long first step short.
 The launcher going away counts as a signal too. SIGTERM to the `deepspeed` command ends it at once without telling
 anyone (DeepSpeed 0.19's runner installs no handler on one node): its per-node `deepspeed.launcher.launch` and the
 ranks lived on, training and saving nothing, until a SIGTERM sent by hand to that inner launcher. So each rank
