@@ -268,6 +268,17 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
                     f"`{kind}_steps` must be a whole number of steps >= 1 (or a fraction of the run below 1), got "
                     f"{steps!r}; to turn it off, set `{kind}_strategy: no`."
                 )
+    limit = t.get("save_total_limit")  # our rotation keeps the newest `limit`: 0 or below would delete every one
+    if limit is not None and (not is_number(limit, whole=True) or limit < 1):
+        problems.found.append(
+            f"`save_total_limit` must be a whole number >= 1 (the checkpoints kept) or null (keep every one), got "
+            f"{limit!r}."
+        )
+    workers = t.get("dataloader_num_workers", trainer_default("dataloader_num_workers"))
+    if not is_number(workers, whole=True) or workers < 0:  # torch's DataLoader refuses it at the first step
+        problems.found.append(
+            f"`dataloader_num_workers` must be a whole number >= 0 (0 loads in the training process), got {workers!r}."
+        )
     seed = t.get("seed", trainer_default("seed"))  # numpy's range: the trainer's set_seed refuses others, late
     if not is_number(seed, whole=True) or not 0 <= seed < 2**32:
         problems.found.append(f"`seed` must be a whole number from 0 to 2**32 - 1, got {seed!r}.")
