@@ -17,6 +17,7 @@ import sys
 
 from longdpo.checks import check_max_length
 from longdpo.data import check_data_args
+from longdpo.model.build import check_model_args
 from longdpo.config import RecipeError, load_recipe, parse_overrides
 from longdpo.patches import quiet_deprecation_warnings
 from longdpo.planner.levers import positive_int
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
         recipe = load_recipe(args.recipe, parse_overrides(rest))
         check_max_length(recipe.trainer)
         check_data_args(recipe.data)
+        check_model_args(recipe.model)
         ds = None
         if args.deepspeed is None:
             args.deepspeed = recipe.trainer.get("deepspeed") or (

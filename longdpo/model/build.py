@@ -98,7 +98,19 @@ def model_source(path_or_id: str) -> str:
 def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
     """A local directory passes; a Hub id must resolve now (its config or tokenizer files only: no weights are
     fetched here), from the Hugging Face cache or the Hub. Else one line naming the id and HF_HUB_OFFLINE."""
-    if os.path.isdir(model_source(path_or_id)):
+    from transformers import AutoConfig, AutoTokenizer
+
+    local = model_source(path_or_id)
+    if os.path.isdir(local):
+        if needs == "config":  # its config only (no weights): a folder of something else fails here, not after
+            try:
+                AutoConfig.from_pretrained(local)
+            except (OSError, ValueError) as error:
+                raise RecipeError(
+                    f"`{key}` {path_or_id!r} is a directory but not a saved model "
+                    f"({str(error).strip().splitlines()[0]}); point it at a directory written by `save_pretrained`, "
+                    "or a Hub id."
+                ) from None
         return
     if not HUB_ID.match(path_or_id):
         raise RecipeError(
@@ -106,7 +118,6 @@ def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
             "(`owner/name`). Point it at a directory written by `save_pretrained`, or a Hub id."
         )
     from huggingface_hub import constants
-    from transformers import AutoConfig, AutoTokenizer
 
     try:
         (AutoConfig if needs == "config" else AutoTokenizer).from_pretrained(path_or_id)

@@ -92,9 +92,16 @@ class Run:
     def _preflight(self, problems_found: bool = False) -> None:
         from longdpo.planner.preflight import preflight
 
-        self.prediction = preflight(
-            self.recipe, self.world_size, self.cli["preflight"], self.seq, self.pair_tokens, problems_found
-        )
+        try:
+            self.prediction = preflight(
+                self.recipe, self.world_size, self.cli["preflight"], self.seq, self.pair_tokens, problems_found
+            )
+        except RecipeError:
+            raise
+        except (OSError, ValueError):
+            if not problems_found:
+                raise
+            # a recipe already refused (e.g. a model folder that holds no model) cannot be planned: its problems say why
 
     def _checked(self) -> None:
         """Every check has passed: the disk, and only then the earlier run set aside (--overwrite_output_dir)."""

@@ -71,6 +71,10 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--data.synthetic", "{pairs: 2, seq_tokens: 10, prompt_tokens: 2.5}"], "must be a mapping of whole numbers"),
         (["--model.name_or_path", "some/dir"], "Set exactly one of `model.name_or_path`"),
         (
+            ["--model.architecture", "null", "--model.name_or_path", "tests"],
+            "'tests' is a directory but not a saved model",
+        ),
+        (
             ["--model.architecture", "null", "--model.name_or_path", "org/model"],
             "'org/model' is not a local directory and could not be loaded",
         ),

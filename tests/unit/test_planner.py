@@ -358,6 +358,8 @@ def test_cli_verdicts(capsys, monkeypatch):
         typo = cli("--recipe", "recipes/nemotron12b/dpo_lora_64k.yaml", "--data.synthetic", spec)
         assert typo.returncode == 2 and typo.stderr.startswith("error: `data.synthetic` must be a mapping")
         assert "Traceback" not in typo.stderr
+    folder = cli("--recipe", TINY, "--model.architecture", "null", "--model.name_or_path", "tests")
+    assert folder.returncode == 2 and "'tests' is a directory but not a saved model" in folder.stderr
     bad = subprocess.run(
         [
             sys.executable,
