@@ -279,6 +279,15 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
         problems.found.append(
             f"`dataloader_num_workers` must be a whole number >= 0 (0 loads in the training process), got {workers!r}."
         )
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK  # what the Trainer accepts
+
+    report_to = t.get("report_to") or []
+    for name in [report_to] if isinstance(report_to, str) else report_to:
+        if name not in INTEGRATION_TO_CALLBACK and name not in ("none", "all"):
+            problems.found.append(
+                f"`report_to: {name}` is not a logging integration; choose from tensorboard, "
+                f"{', '.join(sorted(set(INTEGRATION_TO_CALLBACK) - {'tensorboard'}))}, or none."
+            )
     seed = t.get("seed", trainer_default("seed"))  # numpy's range: the trainer's set_seed refuses others, late
     if not is_number(seed, whole=True) or not 0 <= seed < 2**32:
         problems.found.append(f"`seed` must be a whole number from 0 to 2**32 - 1, got {seed!r}.")

@@ -62,6 +62,7 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--save_total_limit", "-1"], r"`save_total_limit` must be a whole number >= 1 .* or null"),
         (["--save_total_limit", "0"], r"`save_total_limit` must be a whole number >= 1"),
         (["--dataloader_num_workers", "-1"], r"`dataloader_num_workers` must be a whole number >= 0"),
+        (["--report_to", "[tensorboard,tensorbored]"], r"`report_to: tensorbored` is not a logging integration"),
         (["--truncation_mode", "middle"], "`truncation_mode` must be keep_start or keep_end, got 'middle'"),
         (["--loss_type", "aot", "--use_weighting", "true"], "`use_weighting: true` .* drop one of the two"),
         (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
