@@ -16,9 +16,9 @@ import os
 import sys
 
 from longdpo.checks import check_max_length
+from longdpo.config import RecipeError, load_recipe, parse_overrides
 from longdpo.data import check_data_args
 from longdpo.model.build import check_model_args
-from longdpo.config import RecipeError, load_recipe, parse_overrides
 from longdpo.patches import quiet_deprecation_warnings
 from longdpo.planner.levers import positive_int
 from longdpo.planner.plan import CALIBRATION, plan, render
