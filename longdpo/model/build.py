@@ -96,8 +96,8 @@ def model_source(path_or_id: str) -> str:
 
 
 def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
-    """A local directory passes; a Hub id must resolve now (its config or tokenizer files only: no weights are
-    fetched here), from the Hugging Face cache or the Hub. Else one line naming the id and HF_HUB_OFFLINE."""
+    """A local directory must hold a model's config (for a model); a Hub id must resolve now (its config or tokenizer
+    files only: no weights are fetched here), from the Hugging Face cache or the Hub. Else one line naming the fix."""
     from transformers import AutoConfig, AutoTokenizer
 
     local = model_source(path_or_id)
