@@ -12,6 +12,7 @@ from longdpo.config import ModelArgs  # noqa: E402
 from longdpo.model.build import build_byte_tokenizer, build_model  # noqa: E402
 from longdpo.model.sequence_parallel import SequenceParallel  # noqa: E402
 from longdpo.patches import distributed_on_cpu  # noqa: E402
+from longdpo.training.run import exit_now  # noqa: E402
 
 TINY = ModelArgs(
     architecture=f"recipes/architectures/tiny_{os.environ.get('SP_FAMILY', 'mistral')}.json",
@@ -88,3 +89,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as the entrypoint ends: the interpreter's teardown of gloo's threads now and then aborts (SIGABRT)
