@@ -85,6 +85,9 @@ class Problems:
 def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     """Every check that needs no model; all problems are reported together, one line each."""
     t, mem, problems = recipe.trainer, recipe.memory, Problems()
+    sp = recipe.parallelism.sp_size  # every count of ranks below divides by it: checked first, alone
+    if not is_number(sp, whole=True) or sp < 1:
+        raise RecipeError(f"`parallelism.sp_size` must be a positive integer (1: no sequence parallelism), got {sp!r}.")
     with problems.check():
         check_model_args(recipe.model)
     model_ok = not problems.found  # the checks below that read the model's config need it to be there
@@ -234,6 +237,10 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
             "`data.eval_split`), or `eval_strategy: no`."
         )
     max_steps = t.get("max_steps", trainer_default("max_steps"))
+    if not is_number(max_steps, whole=True):  # the Trainer's progress loop fails on a fraction at its start
+        problems.found.append(
+            f"`max_steps` must be a whole number of optimizer steps (-1: by epochs), got {max_steps!r}."
+        )
     epochs = t.get("num_train_epochs", trainer_default("num_train_epochs"))
     if isinstance(max_steps, int) and max_steps <= 0 and isinstance(epochs, (int, float)) and epochs <= 0:
         problems.found.append(

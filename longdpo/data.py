@@ -312,8 +312,11 @@ def load_train_data(args: DataArgs):
 
 def has_eval_data(args: DataArgs) -> bool:
     """Whether `load_eval_data` finds evaluation pairs, read from the recipe alone (nothing is loaded)."""
+    srcs = sources(args)  # a malformed mixture (not a list) has its own start-up error: no evaluation here
     return bool(args.eval_files) or (
-        not args.synthetic and any(isinstance(src, dict) and src.get("test_split") for src in sources(args))
+        not args.synthetic
+        and isinstance(srcs, list)
+        and any(isinstance(src, dict) and src.get("test_split") for src in srcs)
     )
 
 

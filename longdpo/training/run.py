@@ -98,10 +98,10 @@ class Run:
             )
         except RecipeError:
             raise
-        except (OSError, ValueError):
+        except Exception:
             if not problems_found:
                 raise
-            # a recipe already refused (e.g. a model folder that holds no model) cannot be planned: its problems say why
+            # a recipe already refused (a folder that holds no model, sp_size 0) cannot be planned: its problems say why
 
     def _checked(self) -> None:
         """Every check has passed: the disk, and only then the earlier run set aside (--overwrite_output_dir)."""

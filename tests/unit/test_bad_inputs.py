@@ -63,6 +63,9 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--save_total_limit", "0"], r"`save_total_limit` must be a whole number >= 1"),
         (["--dataloader_num_workers", "-1"], r"`dataloader_num_workers` must be a whole number >= 0"),
         (["--report_to", "[tensorboard,tensorbored]"], r"`report_to: tensorbored` is not a logging integration"),
+        (["--parallelism.sp_size", "0"], r"`parallelism.sp_size` must be a positive integer"),
+        (["--max_steps", "1.5"], r"`max_steps` must be a whole number of optimizer steps"),
+        (["--data.mixture", "5", "--data.train_files", "null"], r"`data.mixture` is a list of sources"),
         (["--truncation_mode", "middle"], "`truncation_mode` must be keep_start or keep_end, got 'middle'"),
         (["--loss_type", "aot", "--use_weighting", "true"], "`use_weighting: true` .* drop one of the two"),
         (["--data.train_files", "[missing.jsonl]"], "'missing.jsonl' does not exist"),
@@ -250,6 +253,23 @@ def test_entrypoint_error_exits_2_with_one_line_and_loses_nothing(tmp_path):
     assert "Traceback" not in proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["precious.txt"]
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--parallelism.sp_size", "0"], "`parallelism.sp_size` must be a positive integer"),
+        (["--model.architecture", "null", "--model.name_or_path", "tests"], "is a directory but not a saved model"),
+    ],
+)
+def test_a_recipe_the_planner_cannot_plan_is_still_one_line(tmp_path, argv, message):
+    """The start-up plan runs beside the other checks to report everything at once; a recipe those checks refused
+    (no ranks to divide by, a folder with no model) is not planned, instead of a traceback from the planner."""
+    proc = run_train(tmp_path / "out", *argv, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert errors and message in errors[0] and not os.path.exists(tmp_path / "out")
 
 
 @pytest.mark.launcher
