@@ -18,7 +18,7 @@ from longdpo.model import allocator, liger, offloading, padding_mask, shared_pro
 from longdpo.model.build import check_model_args, load_architecture
 from longdpo.model.checkpointing import check_mlp_split, check_policy
 from longdpo.model.lora import check_lora_args
-from longdpo.model.sequence_parallel import check_sequence_parallel
+from longdpo.model.sequence_parallel import check_sequence_parallel, check_sp_size
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,7 @@ class Problems:
 def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
     """Every check that needs no model; all problems are reported together, one line each."""
     t, mem, problems = recipe.trainer, recipe.memory, Problems()
-    sp = recipe.parallelism.sp_size  # every count of ranks below divides by it: checked first, alone
-    if not is_number(sp, whole=True) or sp < 1:
-        raise RecipeError(f"`parallelism.sp_size` must be a positive integer (1: no sequence parallelism), got {sp!r}.")
+    check_sp_size(recipe.parallelism.sp_size)  # every count of ranks below divides by it: first, alone
     with problems.check():
         check_model_args(recipe.model)
     model_ok = not problems.found  # the checks below that read the model's config need it to be there

@@ -486,9 +486,13 @@ class ResilienceCallback(TrainerCallback):
             optimizer.zero_grad(set_to_none=True)  # parameters without gradients are not updated
         return control
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def note_launcher_gone(self) -> None:
+        """The launcher having exited counts as a signal (checked at step boundaries and before training)."""
         if self.signal_received is None and (gone := launcher_gone(self.launchers)):
             self.signal_received, self.stop_reason = "launcher exited", gone
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.note_launcher_gone()
         preempt, nonfinite = max_over_ranks([float(self.signal_received is not None), _CODES[self._local_nonfinite()]])
         self.nonfinite = None
         quantity = "loss" if nonfinite == 2.0 else "gradient norm"

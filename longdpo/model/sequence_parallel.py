@@ -33,17 +33,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longdpo.config import RecipeError, trainer_default
+from longdpo.config import RecipeError, is_number, trainer_default
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
+
+
+def check_sp_size(sp_size) -> None:
+    """The value alone: every count of ranks divides by it, so the start-up checks ask this first."""
+    if not is_number(sp_size, whole=True) or sp_size < 1:
+        raise RecipeError(
+            f"`parallelism.sp_size` must be a positive integer (1: no sequence parallelism), got {sp_size!r}."
+        )
 
 
 def check_sequence_parallel(
     sp_size, world_size: int, arch, trainer: dict, attn_implementation: str, evaluating: bool = False
 ) -> None:
     """Start-up checks, before any model is built. `arch` is the model's config (heads, sliding window)."""
-    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
-        raise RecipeError(f"`parallelism.sp_size` must be a positive integer, got {sp_size!r}.")
+    check_sp_size(sp_size)
     if sp_size == 1:
         return
     if world_size % sp_size:

@@ -365,12 +365,10 @@ class Run:
         """A save signal (or the launcher gone) while the models loaded: stop before the first step, which the
         launcher's kill (30 s after its SIGTERM) may cut short at long context. Nothing was trained, so nothing is
         saved; an earlier run set aside by --overwrite_output_dir goes back."""
-        from longdpo.cluster import resilience
         from longdpo.cluster.distributed import max_over_ranks
 
         guard = self.guard
-        if guard.signal_received is None and (gone := resilience.launcher_gone(guard.launchers)):
-            guard.signal_received, guard.stop_reason = "launcher exited", gone
+        guard.note_launcher_gone()
         if not max_over_ranks([float(guard.signal_received is not None)])[0]:
             return False
         earlier = self.set_aside is not None
