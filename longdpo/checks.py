@@ -1,6 +1,10 @@
-"""Every start-up check in one place, run before any model is loaded or GPU memory touched.
+"""Every start-up check, run before any model is loaded or GPU memory touched: the recipe's sections (model, data,
+trainer, run), each lever's own check (declared with the lever, longdpo/levers/, and run from here), and the machine
+(processes per GPU, disk, optimizer packages).
 
-Each failure is one RecipeError sentence naming the key or flag that fixes it.
+Both commands run `check_recipe` the same way: training on the machine it runs on, the planner for the GPUs it plans
+(whose packages and CUDA it cannot see). Each failure is one RecipeError sentence naming the key or flag that fixes
+it; `check_recipe` reports every problem of a recipe at once.
 """
 
 from __future__ import annotations
@@ -11,14 +15,20 @@ import json
 import logging
 import os
 import re
+import shutil
+from dataclasses import dataclass, field
 
-from longdpo.config import Recipe, RecipeError, is_number, resolve_path, trainer_default
-from longdpo.data import check_data_args, has_eval_data
-from longdpo.model import allocator, liger, offloading, padding_mask, shared_prompt
+from transformers import Trainer
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK  # what the Trainer accepts
+from trl import DPOConfig
+
+from longdpo.config import DataArgs, Recipe, RecipeError, is_number, resolve_path, trainer_default
+from longdpo.data.loading import LOADERS, PAIR_COLUMNS, SOURCE_KEYS, has_eval_data
+from longdpo.levers import as_yaml, default, levers, replica_ranks
+from longdpo.model import families
 from longdpo.model.build import check_model_args, load_architecture
-from longdpo.model.checkpointing import check_mlp_split, check_policy
-from longdpo.model.lora import check_lora_args
-from longdpo.model.sequence_parallel import check_sequence_parallel, check_sp_size
+from longdpo.model.lora import adapter_params, check_lora_args
+from longdpo.planner.plan import checkpoint_bytes, checkpoints_kept, count_params
 
 logger = logging.getLogger(__name__)
 
@@ -37,31 +47,155 @@ def check_deepspeed_config(path: str) -> dict:
     return cfg
 
 
-def check_family(recipe: Recipe) -> None:
+def check_family(recipe: Recipe, ctx: CheckContext) -> None:
     """Levers that patch decoder modules need a family whose modules they know; the plain `layer` policy (and TRL's
     own flags) run on any causal LM. Checked on the model's config, before loading."""
-    from longdpo.model.checkpointing import SUPPORTED_MODELS
+    patching = [lever for lever in levers() if lever.patches_decoder(recipe.levers)]
+    if not patching:
+        return
+    model_type = getattr(ctx.architecture(), "model_type", None)
+    if model_type not in families.FAMILIES:
+        key = next(k for k in patching[0].keys if getattr(recipe.levers, k.name) != default(k))
+        raise RecipeError(
+            f"`{key.dotted}: {as_yaml(getattr(recipe.levers, key.name))}` patches the decoder layers of "
+            f"{families.supported()} models; this model is {model_type!r}: set `{key.dotted}: "
+            f"{as_yaml(default(key))}` (the levers that patch no decoder module still apply)."
+        )
 
-    mem = recipe.memory
-    levers = [
-        name
-        for name, on in (
-            (f"memory.checkpointing: {mem.checkpointing}", mem.checkpointing not in ("none", "layer")),
-            ("memory.lean_norm", mem.lean_norm),
-            ("memory.mlp_chunks", mem.mlp_chunks),
-            ("memory.tiled_mlp", mem.tiled_mlp),
+
+@dataclass
+class CheckContext:
+    """What a lever's start-up check may ask besides its settings: the recipe, the ranks, the machine, the model's
+    config (read once, only when asked)."""
+
+    recipe: Recipe
+    world_size: int
+    cuda_available: bool
+    evaluating: bool = False
+    on_this_machine: bool = True  # the run happens here (its packages count), not only planned here
+    model_ok: bool = True  # the model section passed its checks (else its config cannot be read)
+    _architecture: object = field(default=None, repr=False)
+
+    def architecture(self):
+        """The model's config; a check that needs it is skipped when the model section has problems of its own."""
+        if not self.model_ok:
+            raise SkipCheck()
+        if self._architecture is None:
+            self._architecture = load_architecture(self.recipe.model)
+        return self._architecture
+
+
+class SkipCheck(Exception):
+    """A check that cannot be made while another problem stands (that problem is reported)."""
+
+
+def check_data_args(args: DataArgs) -> None:
+    """Start-up checks of the data section (nothing is read yet)."""
+    if isinstance(args.train_files, str):
+        args.train_files = [args.train_files]
+    if isinstance(args.eval_files, str):
+        args.eval_files = [args.eval_files]
+    if args.synthetic is not None:
+        keys, optional = {"pairs", "seq_tokens", "prompt_tokens"}, {"rejected_tokens"}
+        if (
+            not isinstance(args.synthetic, dict)
+            or not keys <= set(args.synthetic) <= keys | optional
+            or not all(type(v) is int for v in args.synthetic.values())
+        ):
+            raise RecipeError(
+                f"`data.synthetic` must be a mapping of whole numbers with the keys {sorted(keys)} (and optionally "
+                "rejected_tokens), e.g. '{pairs: 4, seq_tokens: 65536, prompt_tokens: 4096}'."
+            )
+        s = args.synthetic
+        if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
+            raise RecipeError("`data.synthetic` needs pairs >= 1 and 0 < prompt_tokens < seq_tokens - 1.")
+        if not 2 <= s.get("rejected_tokens", 2) <= s["seq_tokens"] - s["prompt_tokens"]:
+            raise RecipeError(
+                "`data.synthetic.rejected_tokens` (the rejected completion, EOS included) must be "
+                "between 2 and seq_tokens - prompt_tokens (the chosen completion's length)."
+            )
+    given = [
+        k
+        for k, on in (
+            ("train_files", args.train_files),
+            ("dataset_name", args.dataset_name),
+            ("mixture", args.mixture),
+            ("synthetic", args.synthetic is not None),
         )
         if on
     ]
-    if not levers:
-        return
-    model_type = getattr(load_architecture(recipe.model), "model_type", None)
-    if model_type not in SUPPORTED_MODELS:
+    if len(given) > 1:
+        raise RecipeError(f"Set one source of training data; {' and '.join(f'`data.{k}`' for k in given)} are all set.")
+    if not given:
         raise RecipeError(
-            f"`{levers[0]}` patches the decoder layers of {', '.join(SUPPORTED_MODELS)} models "
-            f"(Mistral, Llama-3, Qwen2.5, Qwen3); this model is {model_type!r}: turn it off "
-            "(`memory.checkpointing: layer`, TRL's activation_offloading and the lean LM head still apply)."
+            "No training data: set `data.train_files` (JSONL/JSON/Parquet files or a dataset directory), "
+            "`data.dataset_name` (a Hub dataset) or `data.mixture`."
         )
+    if args.columns is not None:
+        _check_columns(args.columns, "data.columns")
+    if args.mixture is not None:
+        _check_mixture(args)
+    if args.eval_split and not args.dataset_name:
+        raise RecipeError(
+            "`data.eval_split` names a split of `data.dataset_name`; for files use `data.eval_files`, "
+            "in a mixture `test_split` per source."
+        )
+    files = (
+        [("train_files", f) for f in args.train_files]
+        + [("eval_files", f) for f in args.eval_files]
+        + [(f"mixture[{i}].files", f) for i, src in enumerate(args.mixture or []) for f in src.get("files", [])]
+    )
+    for key, f in files:
+        path = resolve_path(f)
+        if not os.path.exists(path):
+            raise RecipeError(f"`data.{key}` entry {f!r} does not exist; fix the path in the recipe.")
+        if os.path.isfile(path) and os.path.splitext(path)[1] not in LOADERS:
+            raise RecipeError(
+                f"`data.{key}` entry {f!r} has an unsupported extension; use .jsonl, .json, .parquet "
+                "or a `datasets.save_to_disk` directory."
+            )
+    if args.max_train_samples is not None and args.max_train_samples < 1:
+        raise RecipeError(f"`data.max_train_samples` must be at least 1, got {args.max_train_samples}.")
+
+
+def _check_columns(columns, key: str) -> None:
+    if (
+        not isinstance(columns, dict)
+        or not columns
+        or not set(columns) <= set(PAIR_COLUMNS)
+        or not all(isinstance(v, str) for v in columns.values())
+    ):
+        raise RecipeError(
+            f"`{key}` maps TRL's column names to yours: `{{prompt: question, chosen: good, rejected: "
+            f"bad}}` (keys among {', '.join(PAIR_COLUMNS)}), got {columns!r}."
+        )
+
+
+def _check_mixture(args: DataArgs) -> None:
+    if not isinstance(args.mixture, list) or not args.mixture:
+        raise RecipeError("`data.mixture` is a list of sources: `[{name: org/a, fraction: 0.5}, {files: [b.jsonl]}]`.")
+    for i, src in enumerate(args.mixture):
+        key = f"data.mixture[{i}]"
+        if not isinstance(src, dict):
+            raise RecipeError(f"`{key}` must be a mapping like `{{name: org/dataset, fraction: 0.5}}`, got {src!r}.")
+        unknown = set(src) - set(SOURCE_KEYS)
+        if unknown:
+            raise RecipeError(f"`{key}` has unknown key(s) {sorted(unknown)}; a source takes {', '.join(SOURCE_KEYS)}.")
+        if ("name" in src) == ("files" in src):
+            raise RecipeError(f"`{key}` needs exactly one of `name` (a Hub dataset or dataset folder) and `files`.")
+        if isinstance(src.get("files"), str):
+            src["files"] = [src["files"]]
+        fraction = src.get("fraction", 1.0)
+        if not is_number(fraction) or not 0 < fraction <= 1:
+            raise RecipeError(
+                f"`{key}.fraction` is the share of the source's rows to train on, in (0, 1]; got {fraction!r}."
+            )
+        if "columns" in src:
+            _check_columns(src["columns"], f"{key}.columns")
+        if "files" in src and "test_split" in src:
+            raise RecipeError(
+                f"`{key}`: `test_split` names a split of a `name` source; for files use `data.eval_files`."
+            )
 
 
 class Problems:
@@ -74,6 +208,8 @@ class Problems:
     def check(self):
         try:
             yield
+        except SkipCheck:
+            pass
         except RecipeError as e:
             self.found += [line for line in str(e).splitlines() if line not in self.found]
 
@@ -82,10 +218,11 @@ class Problems:
             raise RecipeError("\n".join(self.found))
 
 
-def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
-    """Every check that needs no model; all problems are reported together, one line each."""
+def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool, on_this_machine: bool = True) -> None:
+    """Every check that needs no model; all problems are reported together, one line each. `on_this_machine`
+    False: planned for GPUs elsewhere (`cuda_available` True then), so this machine's packages do not count."""
     t, mem, problems = recipe.trainer, recipe.memory, Problems()
-    check_sp_size(recipe.parallelism.sp_size)  # every count of ranks below divides by it: first, alone
+    ctx = CheckContext(recipe, world_size, cuda_available, has_eval_data(recipe.data), on_this_machine)
     with problems.check():
         check_model_args(recipe.model)
     model_ok = not problems.found  # the checks below that read the model's config need it to be there
@@ -93,7 +230,7 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
         with problems.check():
             check_lora_args(recipe.model)
         with problems.check():
-            check_family(recipe)
+            check_family(recipe, ctx)
     with problems.check():
         check_data_args(recipe.data)
     if recipe.model.use_peft and t.get("sync_ref_model"):
@@ -106,57 +243,21 @@ def check_recipe(recipe: Recipe, world_size: int, cuda_available: bool) -> None:
             "`memory.sgd_in_backward` emulates full fine-tuning of one ZeRO-3 rank; a LoRA run needs "
             "no emulation (its optimizer state is the adapters'): set `memory.sgd_in_backward: false`."
         )
-    with problems.check():
-        check_policy(mem.checkpointing)
-    if recipe.parallelism.sp_size != 1 and model_ok:
+    ctx.model_ok, levers_ok = model_ok, True
+    for lever in levers():
+        found = len(problems.found)
         with problems.check():
-            check_sequence_parallel(
-                recipe.parallelism.sp_size,
-                world_size,
-                load_architecture(recipe.model),
-                t,
-                recipe.model.attn_implementation,
-                evaluating=has_eval_data(recipe.data),
-            )
-    if model_ok:
-        with problems.check():
-            offloading.check(
-                mem.offload_keep_layers,
-                bool(t.get("activation_offloading")),
-                lambda: load_architecture(recipe.model).num_hidden_layers,
-            )
-    if mem.allocator_conf:
-        with problems.check():
-            allocator.parse(mem.allocator_conf)
-    with problems.check():
-        liger.check(t, cuda_available)
+            lever.check(recipe.levers, ctx)
+        levers_ok &= len(problems.found) == found
     with problems.check():
         _check_run(recipe)
-    with problems.check():
-        check_mlp_split(mem.tiled_mlp, mem.mlp_chunks)
-    with problems.check():
-        padding_mask.check(mem.padding_mask)
-    with problems.check():
-        shared_prompt.check(
-            recipe.data.shared_prompt,
-            recipe.data.shared_prompt_min_saving,
-            bool(t.get("padding_free")),
-            mem.padding_mask,
-        )
-    for key in (
-        "tiled_mlp",
-        "mlp_chunks",
-        "empty_cache_steps",
-        "empty_cache_microbatches",
-        "snapshot_steps",
-        "profile_step",
-    ):
+    for key in ("snapshot_steps", "profile_step"):
         if getattr(mem, key) < 0:
             problems.found.append(f"`memory.{key}` must be >= 0, got {getattr(mem, key)}.")
     with problems.check():
-        _check_trainer(recipe, world_size)
+        _check_trainer(recipe, world_size, levers_ok)
     with problems.check():
-        _check_trl_values(t, has_eval_data(recipe.data))
+        _check_trl_values(t, ctx.evaluating)
     with problems.check():
         _check_hardware(recipe, cuda_available)
     problems.raise_if_any()
@@ -179,20 +280,10 @@ def _check_run(recipe: Recipe) -> None:
             )
 
 
-def _check_trainer(recipe: Recipe, world_size: int) -> None:
+def _check_trainer(recipe: Recipe, world_size: int, levers_ok: bool = True) -> None:
     t, mem = recipe.trainer, recipe.memory
-    for key in ("gradient_checkpointing", "activation_checkpointing"):
-        if key in t:
-            raise RecipeError(
-                "Set activation checkpointing with `memory.checkpointing` (layer = transformers' own per-layer "
-                f"checkpointing), not `{key}`: remove that key."
-            )
-    if mem.empty_cache_steps and t.get("torch_empty_cache_steps"):
-        raise RecipeError(
-            "Both `memory.empty_cache_steps` and TRL's `torch_empty_cache_steps` are set, which would empty the cache "
-            "twice; keep `memory.empty_cache_steps` (it also runs gc) and remove `torch_empty_cache_steps`."
-        )
-    derive_accumulation(recipe, world_size)
+    if levers_ok:  # the ranks of a replica (sequence parallelism) divide the world: a bad value is its lever's line
+        derive_accumulation(recipe, world_size)
     if t.get("deepspeed"):
         check_deepspeed_config(t["deepspeed"])
     if mem.sgd_in_backward:
@@ -219,10 +310,8 @@ def check_max_length(t: dict) -> None:
 def trl_loss_types() -> list[str]:
     """The DPO losses TRL implements. TRL lists them only in DPOConfig's help text and in the error its loss raises
     at the first training step, once the model is loaded: read from the help, so that another TRL's list is used."""
-    from trl import DPOConfig
-
-    field = DPOConfig.__dataclass_fields__["loss_type"]
-    return re.findall(r"`'(\w+)'`", field.metadata["help"].split("If multiple")[0])
+    help_text = DPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    return re.findall(r"`'(\w+)'`", help_text.split("If multiple")[0])
 
 
 def _check_trl_values(t: dict, evaluating: bool) -> None:
@@ -284,8 +373,6 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
         problems.found.append(
             f"`dataloader_num_workers` must be a whole number >= 0 (0 loads in the training process), got {workers!r}."
         )
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK  # what the Trainer accepts
-
     report_to = t.get("report_to") or []
     for name in [report_to] if isinstance(report_to, str) else report_to:
         if name not in INTEGRATION_TO_CALLBACK and name not in ("none", "all"):
@@ -317,7 +404,7 @@ def _check_trl_values(t: dict, evaluating: bool) -> None:
 
 def _check_hardware(recipe: Recipe, cuda_available: bool) -> None:
     """Precision, offloading and dtype against the machine; every one of them at once."""
-    t, mem, problems = recipe.trainer, recipe.memory, Problems()
+    t, problems = recipe.trainer, Problems()
     if t.get("bf16") and t.get("fp16"):
         problems.found.append("`bf16: true` and `fp16: true` are both set; keep one (bf16 on H100/H200).")
     mixed = "bf16" if t.get("bf16") else "fp16" if t.get("fp16") else None
@@ -329,16 +416,6 @@ def _check_hardware(recipe: Recipe, cuda_available: bool) -> None:
     # Precision: DPOConfig defaults to bf16, which a CPU-only machine refuses.
     if not cuda_available and (t.get("bf16") or t.get("fp16")):
         problems.found.append("bf16/fp16 mixed precision needs a GPU; on CPU set `bf16: false` (or `--bf16 false`).")
-    if not mem.offload_pin_memory and not t.get("activation_offloading"):
-        problems.found.append(
-            "`memory.offload_pin_memory: false` only changes TRL's activation offloading; set "
-            "`activation_offloading: true` too, or drop it."
-        )
-    if not cuda_available and t.get("activation_offloading"):
-        problems.found.append(
-            "TRL's activation offloading moves activations to pinned host memory from a GPU; on a "
-            "CPU-only machine set `activation_offloading: false`."
-        )
     if not cuda_available and recipe.model.dtype != "float32":
         problems.found.append(f"`model.dtype: {recipe.model.dtype}` on a CPU-only machine: set `model.dtype: float32`.")
     problems.raise_if_any()
@@ -369,7 +446,7 @@ def derive_accumulation(recipe: Recipe, world_size: int) -> None:
         raise RecipeError(
             f"`data.global_batch_size` must be a positive integer (pairs per optimizer step) or null, got {want!r}."
         )
-    dp = world_size // recipe.parallelism.sp_size  # the ranks of a sequence-parallel group share their pairs
+    dp = world_size // replica_ranks(recipe.levers)  # the ranks of a sequence-parallel group share their pairs
     if want % (per_device * dp):
         raise RecipeError(
             f"`data.global_batch_size: {want}` is not a multiple of per_device_train_batch_size ({per_device}) x "
@@ -427,3 +504,66 @@ REPORT_PACKAGES = {
     "dagshub": "dagshub",
     "flyte": "flytekit",
 }
+
+
+# ---- the machine: disk, optimizer packages -------------------------------------------------------------------------
+
+
+def free_bytes(output_dir: str) -> int:
+    path = os.path.abspath(output_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def disk_space(output_dir: str, one_checkpoint: float, kept: int, final_weights: float) -> str | None:
+    """A RecipeError when not even one checkpoint (or the final model) fits; a warning line when all of them do
+    not; None when they do."""
+    free = free_bytes(output_dir)
+    first = one_checkpoint if kept else final_weights
+    total = kept * one_checkpoint + final_weights
+    if first > free:
+        what = "one checkpoint" if kept else "the final model"
+        raise RecipeError(
+            f"{what} needs {first / 1e9:.1f} GB but {output_dir} has {free / 1e9:.1f} GB free; free "
+            "space there or set `output_dir` to a larger disk."
+        )
+    if total > free:
+        return (
+            f"disk: {kept} checkpoint(s) of {one_checkpoint / 1e9:.1f} GB plus the final model "
+            f"({final_weights / 1e9:.1f} GB) need {total / 1e9:.1f} GB, {output_dir} has {free / 1e9:.1f} GB "
+            "free: lower `save_total_limit` or free space before the later saves"
+        )
+    return None
+
+
+def check_disk_space(recipe, output_dir: str, final_save: bool) -> str | None:
+    """A recipe's checkpoints and final model against the output dir's free space, before any model is loaded: an
+    error when not even one fits, a warning line (returned) when not all kept ones do."""
+    try:
+        params = count_params(load_architecture(recipe.model))[0]
+    except (AttributeError, KeyError, TypeError):  # an architecture the planner cannot size
+        return None
+    t = recipe.trainer
+    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
+    ds_path = t.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    zero3 = bool(ds_path) and check_deepspeed_config(ds_path).get("zero_optimization", {}).get("stage") == 3
+    final, lora = params * dtype_bytes, 0
+    if recipe.model.use_peft:  # the adapters (fp32), and the merged model when asked
+        lora = adapter_params(recipe.model)
+        final = lora * 4 + (final if recipe.model.lora_save_merged else 0)
+    one = checkpoint_bytes(params, dtype_bytes, zero3, not t.get("save_only_model"), lora)
+    return disk_space(output_dir, one, checkpoints_kept(t), final if final_save else 0)
+
+
+def check_optimizer(args) -> None:
+    """An `optim` whose package is missing (bitsandbytes for the 8-bit ones, torchao, ...) fails only when the
+    trainer makes the optimizer, after the models loaded, with an ImportError traceback: asked of transformers'
+    Trainer here instead, once TRL's arguments exist."""
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(args)
+    except ImportError as e:
+        name = getattr(args.optim, "value", args.optim)
+        raise RecipeError(f"`optim: {name}` needs a package that is not installed: {e}") from None
+    except ValueError:  # optimizers built around the model (GaLore, APOLLO): the trainer checks those itself
+        pass

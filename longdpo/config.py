@@ -2,14 +2,15 @@
 
     # Model arguments      -> model:  (ModelArgs)
     # Data arguments       -> data:   (DataArgs)
-    # Memory levers        -> memory: (MemoryArgs)
-    # Sequence parallelism -> parallelism: (ParallelismArgs)
+    # Memory levers        -> memory: (the levers' keys, and MemoryArgs: telemetry, profiling, emulation)
+    # Sequence parallelism -> parallelism: (the sequence-parallel lever's key)
     # Long runs            -> run:    (RunArgs: save on preemption, disk check)
     # DPOTrainer arguments -> top level, exactly the fields of trl.DPOConfig
 
-Command-line `--key value` overrides the YAML; section keys are dotted (`--memory.checkpointing attn_mlp`).
-Everything here is plain Python: nothing imports torch's CUDA side, so the allocator settings can still be
-applied after a recipe is read (see longdpo/model/allocator.py).
+The levers' keys are declared by the levers themselves (longdpo/levers/): a recipe's settings of them are one
+`LeverSet`, `recipe.levers`. Command-line `--key value` overrides the YAML; section keys are dotted
+(`--memory.checkpointing attn_mlp`). `read_raw` is plain Python (the allocator setting is applied from it before
+torch is imported); `load_recipe` reads the levers' declarations, which import torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = Path(__file__).resolve().parent / "recipes"  # the recipes folder, where the package is installed
 
 
 class RecipeError(ValueError):
@@ -114,12 +116,6 @@ class DataArgs:
         `{name: org/dataset, config, split, fraction, columns, test_split}` or `{files: [...], fraction, columns}`;
         the first `fraction` (in (0, 1]) of each source's rows, concatenated and shuffled (seed 42); the
         `test_split`s, whole, are the evaluation set.
-    shared_prompt (bool, defaults to false): train each pair as one sequence [prompt, chosen, rejected], the prompt
-        computed once for the policy and the reference (the same loss and gradients; longdpo/model/shared_prompt.py).
-        Saves most where the prompt is most of the pair (long documents, long conversations).
-    shared_prompt_min_saving (float, defaults to 0.2): with `shared_prompt`, a batch runs shared only when that
-        saves at least this share of the tokens of TRL's two rows per pair (about half the prompt's share of the
-        pair); other batches run as TRL's rows. Where the prompt is short, sharing costs more time than it saves.
     """
 
     train_files: list[str] = field(default_factory=list)
@@ -133,35 +129,12 @@ class DataArgs:
     eval_split: str | None = None
     columns: dict | None = None
     mixture: list[dict] | None = None
-    shared_prompt: bool = False
-    shared_prompt_min_saving: float = 0.2
 
 
 @dataclass
 class MemoryArgs:
-    """The memory levers (longdpo/model/checkpointing.py, longdpo/model/allocator.py, longdpo/training/callbacks.py).
+    """Measuring memory, and the per-rank emulation (the memory levers' own keys: longdpo/levers/).
 
-    checkpointing (str, defaults to "layer"): activation-checkpointing policy, one of
-        longdpo.model.checkpointing.POLICIES: none, layer, attn_mlp, norm_attn, norm_attn_mlp, layer+attn_mlp, ...
-    tiled_mlp (int, defaults to 0): split each MLP over this many sequence tiles (DeepSpeed TiledMLP); 0 = off.
-    mlp_chunks (int, defaults to 0): checkpoint each MLP per chunk of its tokens, this many chunks (see
-        longdpo/model/checkpointing.py; cheaper than TiledMLP under the layer checkpoint); 0 = off.
-    lean_norm (bool, defaults to False): RMSNorms computed over token chunks with a closed-form backward, saving
-        only their input and one fp32 scale per token (longdpo/model/lean_norm.py): no fp32 copies of the hidden state.
-    lean_lm_head (bool, defaults to False): TRL's fused LM head with its backward looping over vocabulary chunks
-        outside token chunks (longdpo/model/lean_lm_head.py): no fp32 buffer of the whole LM-head weight gradient.
-    offload_pin_memory (bool, defaults to True): with `activation_offloading`, keep offloaded activations in pinned
-        host memory (TRL's default: asynchronous copies, but torch's pinned cache rounds each block up to a power of
-        two: 1.34 GB -> 2 GB at 64k). False: pageable memory, exact sizes, slower copies; for runs whose offload would
-        not fit in host RAM (see launch/plan_memory.py's host figure).
-    offload_keep_layers (int, defaults to 0): with `activation_offloading`, the saved activations of the last N
-        decoder layers stay on the GPU: less host memory, more GPU memory (one layer input, tokens x hidden x 2 bytes,
-        per layer kept; launch/plan_memory.py prices both). For runs whose host RAM is the limit.
-    allocator_conf (str, defaults to None): PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64".
-        Applied before CUDA initialises; overrides the environment's value (the log says which won).
-    empty_cache_steps (int, defaults to 0): gc.collect() + torch.cuda.empty_cache() every N optimizer steps. Setting
-        TRL's `torch_empty_cache_steps` as well is an error (the cache would be emptied twice); use this one.
-    empty_cache_microbatches (int, defaults to 0): the same every N micro-batches (costs speed; off by default).
     snapshot_steps (int, defaults to 0): record CUDA memory history for the first N steps and dump a snapshot
         (open it at https://pytorch.org/memory_viz).
     profile_step (int, defaults to 0): profile optimizer step N with torch.profiler and write where its time went, by
@@ -172,44 +145,18 @@ class MemoryArgs:
         backward and free its gradient at once (what a ZeRO-3 rank keeps); see longdpo/model/emulation.py.
     memory_cap_gb (float, defaults to None): cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction),
         e.g. 80 to emulate an 80 GB H100 on a larger GPU.
-    padding_mask (str, defaults to "auto"): `auto` runs right-padded batches without an attention mask, where causal
-        attention already keeps every real token from the padding after it (the same loss and gradients, on the
-        fast causal kernel; longdpo/model/padding_mask.py); `keep` passes TRL's padding mask to the model.
     """
 
-    checkpointing: str = "layer"
-    tiled_mlp: int = 0
-    mlp_chunks: int = 0
-    lean_norm: bool = False
-    lean_lm_head: bool = False
-    offload_pin_memory: bool = True
-    offload_keep_layers: int = 0
-    allocator_conf: str | None = None
-    empty_cache_steps: int = 0
-    empty_cache_microbatches: int = 0
     snapshot_steps: int = 0
     profile_step: int = 0
     telemetry: bool = True
     sgd_in_backward: bool = False
     memory_cap_gb: float | None = None
-    padding_mask: str = "auto"
-
-
-@dataclass
-class ParallelismArgs:
-    """How each pair is spread over the GPUs (longdpo/model/sequence_parallel.py).
-
-    sp_size (int, defaults to 1): sequence parallelism (DeepSpeed Ulysses). Each chosen/rejected sequence is split
-        over this many ranks; attention exchanges heads for sequence all-to-all. The remaining
-        world_size / sp_size ranks are data parallel. Must divide the number of processes and the attention heads.
-    """
-
-    sp_size: int = 1
 
 
 @dataclass
 class RunArgs:
-    """How a long run survives the cluster (longdpo/cluster/resilience.py).
+    """How a long run survives the cluster (longdpo/cluster/: checkpoints, signals).
 
     save_on_signals (list[str], defaults to [SIGUSR1, SIGTERM]): signals that save a checkpoint at the next step
         boundary (every rank at the same step) and exit with status 75; `[]` leaves the signals' default actions.
@@ -224,7 +171,8 @@ class RunArgs:
     on_nonfinite: str = "stop"
 
 
-SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": ParallelismArgs, "run": RunArgs}
+# Our sections and the dataclass of each one's own keys (None: its keys are all levers')
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "memory": MemoryArgs, "parallelism": None, "run": RunArgs}
 
 
 @dataclass
@@ -232,14 +180,14 @@ class Recipe:
     model: ModelArgs
     data: DataArgs
     memory: MemoryArgs
-    parallelism: ParallelismArgs
     run: RunArgs
     trainer: dict  # DPOConfig keyword arguments (validated names, coerced types)
+    levers: object  # longdpo.levers.LeverSet: every lever's settings
     path: str | None = None
 
 
 def _dpo_fields() -> dict[str, dataclasses.Field]:
-    from trl import DPOConfig  # imports no CUDA state
+    from trl import DPOConfig  # waits: this module is read before torch is imported (`read_raw`, `parse_cli`)
 
     return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
 
@@ -330,19 +278,27 @@ def _merge(base: dict, overrides: dict) -> dict:
     return merged
 
 
-def _build_section(name: str, values) -> object:
+def _build_section(name: str, values) -> tuple[object, dict]:
+    """(the section's own dataclass, or None; the values of the levers' keys in it), every key checked."""
+    from longdpo.levers import section_keys  # waits: the levers' modules import this one
+
     cls = SECTIONS[name]
     if values is None:
         values = {}
     if not isinstance(values, dict):
         raise RecipeError(f"`{name}:` must be a mapping of keys, got {type(values).__name__}.")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
+    fields = {f.name: f.type for f in dataclasses.fields(cls)} if cls else {}
+    levers = {key: k.type for key, k in section_keys(name).items()}
+    kwargs, lever_values = {}, {}
     for key, value in values.items():
-        if key not in fields:
-            raise RecipeError(f"Unknown key `{name}.{key}`.{_suggest(key, fields)} Valid keys: {', '.join(fields)}.")
-        kwargs[key] = _coerce(value, fields[key].type, f"{name}.{key}")
-    return cls(**kwargs)
+        if key in fields:
+            kwargs[key] = _coerce(value, fields[key], f"{name}.{key}")
+        elif key in levers:
+            lever_values[key] = _coerce(value, levers[key], f"{name}.{key}")
+        else:
+            valid = [*fields, *levers]
+            raise RecipeError(f"Unknown key `{name}.{key}`.{_suggest(key, valid)} Valid keys: {', '.join(valid)}.")
+    return (cls(**kwargs) if cls else None), lever_values
 
 
 def read_raw(path: str | os.PathLike | None, overrides: dict | None = None) -> dict:
@@ -350,7 +306,7 @@ def read_raw(path: str | os.PathLike | None, overrides: dict | None = None) -> d
     through this before torch is imported (the allocator must be set before CUDA starts)."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
+        path = Path(resolve_path(str(path)))
         if not path.is_file():
             raise RecipeError(f"Recipe file {str(path)!r} does not exist; pass an existing YAML with `--recipe`.")
         text = path.read_text()
@@ -368,23 +324,22 @@ def read_raw(path: str | os.PathLike | None, overrides: dict | None = None) -> d
     return _merge(raw, overrides or {})
 
 
-def read_memory_section(path: str | os.PathLike | None, overrides: dict | None = None) -> MemoryArgs:
-    return _build_section("memory", read_raw(path, overrides).get("memory"))
-
-
 def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -> Recipe:
     """Read a recipe YAML, apply overrides, check every key. Raises RecipeError naming the fix."""
+    from longdpo.levers import LeverSet, keys  # waits: the levers' modules import this one
+
     raw = read_raw(path, overrides)
 
     dpo_fields = _dpo_fields()
-    sections = {name: _build_section(name, raw.get(name)) for name in SECTIONS}
+    built = {name: _build_section(name, raw.get(name)) for name in SECTIONS}
     trainer = {}
     for key, value in raw.items():
         if key in SECTIONS:
             continue
         if key not in dpo_fields:
             home = next(
-                (name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}), None
+                (name for name, cls in SECTIONS.items() if cls and key in {f.name for f in dataclasses.fields(cls)}),
+                keys()[key][1].section if key in keys() else None,
             )
             if home:  # e.g. TRL's `--use_peft` / `--lora_r`, which live under `model:` here
                 raise RecipeError(
@@ -397,7 +352,16 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
                 f"{_suggest(key, valid)}"
             )
         trainer[key] = _coerce(value, dpo_fields[key].type, key)
-    return Recipe(**sections, trainer=trainer, path=str(path) if path is not None else None)
+    lever_values = {name: values for name, (_, values) in built.items()}
+    return Recipe(
+        model=built["model"][0],
+        data=built["data"][0],
+        memory=built["memory"][0],
+        run=built["run"][0],
+        trainer=trainer,
+        levers=LeverSet.from_recipe({**lever_values, "trainer": trainer}),
+        path=str(path) if path is not None else None,
+    )
 
 
 def is_number(value, whole: bool = False) -> bool:
@@ -407,25 +371,40 @@ def is_number(value, whole: bool = False) -> bool:
 
 
 def resolve_path(p: str) -> str:
-    """Paths in recipes are relative to the working directory, else to the repo root."""
+    """Paths in recipes are relative to the working directory, else to the repository (a checkout), else
+    `recipes/...` names a shipped recipe, architecture or data file (an installed package holds them)."""
     if os.path.exists(p) or os.path.isabs(p):
         return p
-    candidate = REPO_ROOT / p
-    return str(candidate) if candidate.exists() else p
+    for candidate in (REPO_ROOT / p, SHIPPED / Path(p).relative_to("recipes") if p.startswith("recipes/") else None):
+        if candidate is not None and candidate.exists():
+            return str(candidate)
+    return p
 
 
 def describe_keys() -> str:
-    """Every key of our sections with its documentation, from the dataclasses' docstrings (`--help`)."""
+    """Every key of our sections with its documentation (`--help`): the dataclasses' docstrings, and the levers'
+    declarations (longdpo/levers/), with the top-level TRL keys the levers act on."""
+    from longdpo.levers import default, section_keys  # waits: the levers' modules import this one
+
+    def lever_line(section: str, key) -> str:
+        kind = key.type if isinstance(key.type, str) else key.type.__name__
+        where = "" if section == "trainer" else f"{section}."
+        return f"  {where}{key.name} ({kind}, defaults to {default(key)!r}): {key.doc}"
+
     lines = []
     for section, cls in SECTIONS.items():
-        fields = {f.name for f in dataclasses.fields(cls)}
-        lines.append(f"\n{section}:  ({cls.__doc__.strip().splitlines()[0]})")
-        for line in cls.__doc__.splitlines():
+        title = cls.__doc__.strip().splitlines()[0] if cls else "the memory levers' keys"
+        lines.append(f"\n{section}:  ({title})")
+        fields = {f.name for f in dataclasses.fields(cls)} if cls else set()
+        for line in (cls.__doc__ if cls else "").splitlines():
             name = line.strip().split(" (")[0]
             if line.startswith("    ") and not line.startswith("        ") and name in fields:
                 lines.append(f"  {section}.{line.strip()}")
             elif line.startswith("        ") and lines[-1].startswith(f"  {section}."):
                 lines[-1] += " " + line.strip()
+        lines += [lever_line(section, key) for key in section_keys(section).values()]
+    lines.append("\ntop level:  (TRL's DPOConfig fields that are levers here)")
+    lines += [lever_line("trainer", key) for key in section_keys("trainer").values()]
     return "\n".join(lines)
 
 

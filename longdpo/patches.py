@@ -14,18 +14,25 @@ wrap model modules' forwards on the instance (longdpo/model/) and are not librar
 3. TRL 1.16's fused LM head (`trl.trainer.utils._ChunkedLogProbFunction`): under ZeRO-3 with activation offloading
    its backward crashed at the first step (`'Tensor' object has no attribute 'ds_status'`, one H200); and its
    backward builds an fp32 gradient of the whole head. Swapped for our subclasses while training
-   (`trl_log_prob_function`; the classes live in longdpo/model/lean_lm_head.py).
+   (`trl_log_prob_function`; the classes live in longdpo/levers/lean_lm_head.py).
 4. The innermost optimizer's `step` (DeepSpeed's ZeRO optimizer, or torch's): under DeepSpeed the real step runs
    inside accelerate's backward, so no Trainer callback can tell the optimizer step's memory peak from the
    backward's. Its `step` is wrapped on the instance to record both (`measure_optimizer_step`).
 5. TRL 1.16 and PEFT 0.21 call transformers 5.24's deprecated `gradient_checkpointing_*` names: a FutureWarning on
    every run that no user can act on. Filtered by its message (`quiet_deprecation_warnings`).
+6. TRL 1.16's model card names the base model by Hub id only: a local directory or a random initialisation read
+   "a fine-tuned version of [None](https://huggingface.co/None)" and `pipeline(model="None")`, seen in the card of
+   every run from a local model. The card is rewritten after saving (`name_model_card`).
+
+This module is imported before the recipe's allocator setting is applied, when torch must not be imported yet: the
+imports of torch and of the libraries that import it wait inside the functions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 
 def distributed_on_cpu() -> bool:
@@ -58,15 +65,12 @@ def distributed_on_cpu() -> bool:
 
 
 @contextlib.contextmanager
-def trl_log_prob_function(lean: bool):
-    """3 above: inside this block TRL's fused LM head runs as `HookSafeLogProb`, with the lean backward when
-    `lean`, for every model."""
+def trl_log_prob_function(function):
+    """3 above: inside this block TRL's fused LM head runs as `function` (a subclass of TRL's), for every model."""
     import trl.trainer.utils as trl_utils
 
-    from longdpo.model.lean_lm_head import HookSafeLogProb, LeanLMHeadLogProb
-
     previous = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = LeanLMHeadLogProb if lean else HookSafeLogProb
+    trl_utils._ChunkedLogProbFunction = function
     try:
         yield
     finally:
@@ -99,8 +103,21 @@ def measure_optimizer_step(optimizer, record) -> None:
 
 def quiet_deprecation_warnings() -> None:
     """5 above."""
-    import warnings
-
     warnings.filterwarnings(
         "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
     )
+
+
+def name_model_card(output_dir: str, base: str) -> None:
+    """6 above: the card in `output_dir` names `base` (a Hub id, a folder, or what a random-init model came from)."""
+    card = os.path.join(output_dir, "README.md")
+    if not os.path.exists(card):
+        return
+    with open(card) as f:
+        text = f.read()
+    text = text.replace(
+        "a fine-tuned version of [None](https://huggingface.co/None)", f"a fine-tuned version of {base}"
+    )
+    text = text.replace('model="None"', f'model="{output_dir}"')
+    with open(card, "w") as f:
+        f.write(text)

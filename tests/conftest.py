@@ -147,7 +147,7 @@ def family(request):
 @pytest.fixture(scope="module")
 def dpo_batch(family):
     """One real TRL DPO batch (chosen + rejected, padded, with completion mask) from the shipped data."""
-    from longdpo.data import load_preferences
+    from longdpo.data.loading import load_preferences
 
     return make_dpo_batch(family, load_preferences(["recipes/data/arithmetic_preferences.jsonl"]), 4, 128)
 
@@ -189,19 +189,20 @@ def loss_and_grads(
     min_saving: float = 0.0,
 ):
     """DPO loss and every parameter gradient of a fresh policy (seed 0) against a different reference (seed 1).
-    `drop_mask`: right padding's attention mask dropped (longdpo/model/padding_mask.py) on both; `shared`: each
-    pair's prompt computed once (longdpo/model/shared_prompt.py) on both, for batches saving `min_saving`."""
+    `drop_mask`: right padding's attention mask dropped (longdpo/levers/padding_mask.py) on both; `shared`: each
+    pair's prompt computed once (longdpo/levers/shared_prompt.py) on both, for batches saving `min_saving`."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from longdpo.model import padding_mask, shared_prompt
+    from longdpo.levers import LeverSet, padding_mask, patch_policy, shared_prompt
+    from longdpo.levers.checkpointing import uses_layer_checkpoint
     from longdpo.model.build import build_model
-    from longdpo.model.checkpointing import apply_memory_patches, uses_transformers_layer_checkpointing
 
     trainer, inputs, args = dpo_batch
     model = build_model(args)
-    if uses_transformers_layer_checkpointing(policy):
+    if uses_layer_checkpoint(policy):
         model.activation_checkpointing_enable({"use_reentrant": reentrant})
-    wrapped = apply_memory_patches(model, policy, tiles, chunks, lean_norm=lean)
+    levers = LeverSet(checkpointing=policy, tiled_mlp=tiles, mlp_chunks=chunks, lean_norm=lean)
+    wrapped = patch_policy(model, levers)
     weighting = ("log_sum_sq_probs",) if trainer.use_weighting else ()  # as TRL asks for WPO's weights
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1", *weighting))
     trainer.ref_model = build_model(ModelArgs(**{**args.__dict__, "init_seed": 1}))
@@ -211,7 +212,7 @@ def loss_and_grads(
         padding_mask.install(trainer.ref_model)
     if shared:
         for m in (model, trainer.ref_model):
-            shared_prompt.use_shared_attention(m)
+            m.set_attn_implementation(shared_prompt.NAME)
             shared_prompt.wrap(m, min_saving)
     model.train()
     trainer.model = model

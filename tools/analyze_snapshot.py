@@ -15,7 +15,7 @@ import pickle
 from collections import defaultdict
 
 # Frames from these files say "where" in our terms (the model, TRL, DeepSpeed), not in torch's internals.
-_INTERESTING = ("modeling_", "trl/", "deepspeed/", "recipes/", "activation_offloading", "checkpoint.py", "trainer.py")
+_INTERESTING = ("modeling_", "trl/", "deepspeed/", "longdpo/", "checkpoint.py", "trainer.py")
 
 
 def _site(frames: list[dict]) -> str:

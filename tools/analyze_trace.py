@@ -3,7 +3,7 @@
 `memory.profile_step: N` (or `tools/bench_memory.py --profile`) writes the step's trace as
 profile_step<N>.trace.json.gz. Its breakdown sums kernel time per row; when kernels of several streams overlap, those
 sums exceed the wall time and cannot say what stretched. This reads the trace and, per row (the innermost
-`recipes:` label around the launch: forward:attention, recompute:mlp, ...), reports the kernel time, how much of it
+`longdpo:` label around the launch: forward:attention, recompute:mlp, ...), reports the kernel time, how much of it
 ran while a kernel of another stream was running, and the rows (and streams) of those other kernels.
 
     python tools/analyze_trace.py profiles/layer-liger-chunked8-head-offload_65536.trace.json.gz [--out overlap.md]
@@ -17,7 +17,7 @@ import json
 import sys
 from collections import defaultdict
 
-PREFIX = "recipes:"  # longdpo/training/profiling.py's labels
+PREFIXES = ("longdpo:", "recipes:")  # longdpo/training/profiling.py's labels (the committed older traces say recipes:)
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
@@ -28,12 +28,13 @@ def load(path: str) -> list[dict]:
 
 
 def _launch_rows(events: list[dict]) -> dict:
-    """correlation id -> the innermost `recipes:` label around the call that launched it, one sweep per CPU thread
+    """correlation id -> the innermost `longdpo:` label around the call that launched it, one sweep per CPU thread
     (labels nest on a thread: a stack of the open ones)."""
     per_thread = defaultdict(list)  # tid -> (ts, order, what): ranges sort before launches at the same ts
     for e in events:
-        if e.get("ph") == "X" and e.get("name", "").startswith(PREFIX):
-            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], e["name"][len(PREFIX) :])))
+        prefix = next((p for p in PREFIXES if e.get("name", "").startswith(p)), None)
+        if e.get("ph") == "X" and prefix:
+            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], e["name"][len(prefix) :])))
         elif e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
             per_thread[e["tid"]].append((e["ts"], 1, e["args"]["correlation"]))
     rows = {}

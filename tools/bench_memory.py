@@ -1,6 +1,8 @@
 """Memory/speed benchmark of the levers on the real training path (launch/train_dpo.py), one fresh process each.
 
-For each sequence length and named configuration it runs a few DPO steps of synthetic pairs of exactly that length
+A configuration is a lever set's name (`layer+liger+chunked8+head+offload`; `stock` is TRL as a user gets it:
+transformers' layer checkpoint and TRL's padding mask; longdpo/levers/ declares every lever and its token). For each
+sequence length and configuration it runs a few DPO steps of synthetic pairs of exactly that length
 and records, from the run's own memory.jsonl (steps after the first): peak allocated, peak reserved,
 fragmentation gap, median step time, tokens/s, host RSS, pinned host memory and the step's host peak. `stock` and
 ours run in the same invocation on the same GPU, so ratios are honest.
@@ -32,17 +34,25 @@ import shutil
 import sys
 import time
 
-from longdpo.cluster.distributed import run_job
-from longdpo.data import WORKLOADS, workload
-from longdpo.planner.calibration import setup_from_result
-from longdpo.planner.levers import CONFIGS, add_setup_arguments, positive_ints
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/gpu_results.py beside this script
+
+from analyze_snapshot import peak_holders  # noqa: E402
+from gpu_results import add_setup_arguments, setup_from_result, synthetic_spec  # noqa: E402
+
+from longdpo.cluster.distributed import run_job  # noqa: E402
+from longdpo.config import load_recipe  # noqa: E402
+from longdpo.data.synthetic import WORKLOADS, synthetic_pair, workload  # noqa: E402
+from longdpo.levers import LeverSet  # noqa: E402
+from longdpo.model.build import load_architecture  # noqa: E402
+from longdpo.planner.cli import positive_ints  # noqa: E402
+from longdpo.planner.plan import model_flops_per_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_command(args, name: str, seq: int, out_dir: str, shape: str = "equal") -> list[str]:
     overrides = {
-        **CONFIGS[name].overrides(),
+        **LeverSet.read(name).overrides(),
         "data.synthetic": json.dumps(workload(shape, seq, 8 * args.steps, args.prompt_tokens)),
         "data.train_files": "[]",
         "data.global_batch_size": "null",
@@ -162,8 +172,6 @@ def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
             shutil.copy(profile + ".trace.json.gz", kept + ".trace.json.gz")
     snap = os.path.join(out_dir, "memory_snapshot_rank0.pickle")
     if os.path.exists(snap):
-        from analyze_snapshot import peak_holders  # tools/, beside this script
-
         result["peak_holders"] = peak_holders(snap)
     summary = os.path.join(out_dir, "train_summary.json")
     if os.path.exists(summary):
@@ -205,9 +213,6 @@ def matmul_tflops() -> float | None:
 def add_mfu(result: dict, environment: dict, row_setup) -> None:
     """MFU = model FLOPs per step / (step time x measured matmul rate); None without a GPU rate or a step time. The
     FLOPs are those of the pair's real tokens as the run lays them out (two rows, or one shared row)."""
-    from longdpo.planner.calibration import synthetic_spec
-    from longdpo.planner.plan import model_flops_per_step, synthetic_pair
-
     rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
     setup, attn_width = row_setup
     command = result.get("command", "")
@@ -250,7 +255,7 @@ def measurement(records: list[dict], rc: int, steps: int, profiled_step: int | N
         last = records[-1] if records else {}
         keys = ("peak_allocated_gb", "peak_reserved_gb", "step_time_s")
         return {"reached": {"steps": len(records), **{k: last.get(k) for k in keys}}}
-    return {**summarise(records, profiled_step), "allocator_conf": records[-1].get("allocator_conf")}
+    return summarise(records, profiled_step)
 
 
 def render_table(results: list[dict]) -> str:
@@ -289,7 +294,7 @@ def render_table(results: list[dict]) -> str:
 SUMMARY_CURVES = {
     "stock TRL": ["stock"],
     "TRL + offloading": ["stock+offload"],
-    "TRL + offloading + Liger (library flags only)": ["stock+offload+liger"],
+    "TRL + offloading + Liger (library flags only)": ["stock+liger+offload"],
     "ours + Liger (the 12B recipes)": ["layer+liger+chunked3+head+offload", "layer+liger+chunked8+head+offload"],
     "ours without Liger (no Triton)": ["layer+lean+chunked3+head+offload", "layer+lean+chunked8+head+offload"],
 }
@@ -347,7 +352,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--workloads",
         default="equal",
-        help=f"comma-separated pair shapes, from {', '.join(WORKLOADS)} (longdpo/data.py WORKLOADS)",
+        help=f"comma-separated pair shapes, from {', '.join(WORKLOADS)} (longdpo/data/synthetic.py WORKLOADS)",
     )
     p.add_argument(
         "--prompt-tokens",
@@ -394,9 +399,11 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = shlex.join([sys.executable, "tools/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        p.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    for name in args.configs.split(","):
+        try:
+            LeverSet.read(name)
+        except ValueError as e:
+            p.error(str(e))
     unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
     if unknown:
         p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
@@ -407,9 +414,6 @@ def parse_args(argv=None):
 
 
 def _attn_width(args) -> int:
-    from longdpo.config import load_recipe
-    from longdpo.model.build import load_architecture
-
     arch = load_architecture(load_recipe(os.path.join(ROOT, args.recipe)).model)
     return arch.num_attention_heads * (getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads)
 
@@ -441,7 +445,8 @@ def merge(paths: list[str], out: str) -> list[dict]:
     rows = {}
     for path, data in runs:
         for r in data["results"]:
-            r = {"workload": "equal", **r}  # rows from before workloads were named ran equal pairs
+            # rows from before workloads were named ran equal pairs; names in their one spelling (longdpo/levers/)
+            r = {"workload": "equal", **r, "config": LeverSet.read(r["config"]).name}
             rows[(r["config"], r["seq_tokens"], r["workload"])] = {**r, "source": os.path.relpath(path, ROOT)}
     results = sorted(rows.values(), key=lambda r: (r["seq_tokens"], r["config"]))
     os.makedirs(out, exist_ok=True)
@@ -461,7 +466,7 @@ def main(argv=None) -> list[dict]:
         (seq, shape, name)
         for seq in args.seq_tokens
         for shape in args.workloads.split(",")
-        for name in args.configs.split(",")
+        for name in (LeverSet.read(n).name for n in args.configs.split(","))
     ]
     for seq, shape, name in runs:
         results.append(run_one(args, name, seq, shape))

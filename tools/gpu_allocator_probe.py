@@ -16,7 +16,7 @@ CASES = {
     "env_after_cuda_init": f"import os, torch; {INIT}; {SET_ENV}; {INIT}",
     "runtime_call_after_init": f"import torch; {INIT}; "
     f"torch.cuda.memory._set_allocator_settings('max_split_size_mb:64'); {INIT}",
-    "recipes_allocator_apply_after_init": f"import sys, torch; {INIT}; from longdpo.model import allocator; "
+    "recipes_allocator_apply_after_init": f"import sys, torch; {INIT}; from longdpo.levers import allocator; "
     "r = allocator.apply('max_split_size_mb:64'); print(r['path'], file=sys.stderr)",
 }
 out = {}

@@ -7,7 +7,7 @@ Recipes can also build them in memory: `data: {synthetic: {pairs: 64, seq_tokens
 
 import argparse
 
-from longdpo.data import synthetic_pairs, write_jsonl
+from longdpo.data.synthetic import synthetic_pairs, write_jsonl
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

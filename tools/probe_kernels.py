@@ -1,13 +1,13 @@
 """GPU probe of the two kernels that hold the peak once activations are lean, at the 12B model's sizes.
 
-1. TRL's fused LM-head backward vs the lean one (longdpo/model/lean_lm_head.py): peak memory the backward adds on top of
-   its inputs, its time, and how far the lean gradients are from TRL's.
+1. TRL's fused LM-head backward vs the lean one (longdpo/levers/lean_lm_head.py): peak memory the backward adds on
+   top of its inputs, its time, and how far the lean gradients are from TRL's.
 2. Causal SDPA forward + backward with grouped-query attention (32 query / 8 key-value heads, head_dim 128), as
    transformers calls it (enable_gqa, no mask), per SDPA backend: peak above the inputs and time.
 3. One MLP (Liger's SwiGLU when liger-kernel is installed, else transformers' Mistral MLP) on a chosen/rejected pair:
    the forward alone, then in chunks each in its own checkpoint, split along the sequence or along the flattened
    tokens (as `memory.mlp_chunks` runs it), and those chunks' recompute + backward.
-4. Shared-prompt attention (longdpo/model/shared_prompt.py) on a long-prompt pair (prompt 90%, rejected 10% shorter
+4. Shared-prompt attention (longdpo/levers/shared_prompt.py) on a long-prompt pair (prompt 90%, rejected 10% shorter
    than chosen): TRL's two rows with `is_causal` against the one shared row's two calls, forward + backward time,
    and how far the completions' outputs are from the two rows' (bf16).
     python tools/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
@@ -82,7 +82,7 @@ def shared_attention(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 12
 
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from longdpo.model import shared_prompt
+    from longdpo.levers.shared_prompt import shared_attention
 
     p = round(0.9 * seq)
     c = seq - p
@@ -111,7 +111,7 @@ def shared_attention(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 12
         return out
 
     def one_row():
-        out, _ = shared_prompt.shared_attention(module, *shared, None, shared_prompt=[(p, c, r, x)])
+        out, _ = shared_attention(module, *shared, None, row_layout=[(p, c, r, x)])
         out.backward(torch.ones_like(out))
         return out
 
@@ -120,7 +120,7 @@ def shared_attention(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 12
     result["shared_fwd_bwd_ms"] = _cuda_ms(one_row)
     with torch.no_grad():
         a = sdpa(*rows, is_causal=True, enable_gqa=True).transpose(1, 2)
-        b, _ = shared_prompt.shared_attention(module, *shared, None, shared_prompt=[(p, c, r, x)])
+        b, _ = shared_attention(module, *shared, None, row_layout=[(p, c, r, x)])
     result["max_abs_diff_chosen"] = (a[0, : p + c] - b[0, : p + c]).float().abs().max().item()
     result["max_abs_diff_rejected"] = (a[1, p - 1 : p + r] - b[0, p + c : p + c + x + r]).float().abs().max().item()
     result["finite"] = bool(torch.isfinite(b).all())
@@ -182,7 +182,7 @@ def mlp(seq: int, chunks: int = 3, batch: int = 2, hidden: int = 5120, ffn: int 
 def main(argv=None):
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    from longdpo.model.lean_lm_head import LeanLMHeadLogProb
+    from longdpo.levers.lean_lm_head import LeanLMHeadLogProb
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=24576)
@@ -190,7 +190,7 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--attn-seq", type=int, default=None, help="also probe attention at this sequence length")
     p.add_argument("--mlp-seq", type=int, default=None, help="also probe one MLP at this sequence length (a pair)")
-    p.add_argument("--mlp-chunks", type=int, default=3)
+    p.add_argument("--mlp-chunks", dest="chunks", type=int, default=3)
     p.add_argument("--shared-seq", type=int, default=None, help="probe shared-prompt attention at these tokens")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -223,7 +223,7 @@ def main(argv=None):
         out["attention"] = attention(args.attn_seq)
     if args.mlp_seq:
         torch.cuda.empty_cache()
-        out["mlp"] = mlp(args.mlp_seq, args.mlp_chunks)
+        out["mlp"] = mlp(args.mlp_seq, args.chunks)
     if args.shared_seq:
         torch.cuda.empty_cache()
         out["shared_attention"] = shared_attention(args.shared_seq)

@@ -1,6 +1,7 @@
 """Processes: launching a multi-process job so that a timeout leaves none of its processes behind, naming stale
 JIT-build locks, the process group and collectives over it. (What multi-process runs on a CPU need of accelerate and
-DeepSpeed is in longdpo/patches.py.)"""
+DeepSpeed is in longdpo/patches.py.) The entrypoint uses this module before the allocator setting is applied (and the
+tests to launch jobs without torch): its imports of torch wait inside the functions."""
 
 from __future__ import annotations
 

@@ -12,6 +12,12 @@ import os
 import re
 
 import torch
+from huggingface_hub import constants
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.trainer_utils import set_seed
 
 from longdpo.config import ModelArgs, RecipeError, resolve_path
 
@@ -61,11 +67,7 @@ def build_byte_tokenizer(kind: str = "byte"):
     """A byte-level tokenizer built in code (no download): one token per UTF-8 byte, plus special tokens; `kind`
     picks the special tokens and chat template (BYTE_TOKENIZERS: generic, or a family's real template).
 
-    One byte = one token makes exact-length synthetic pairs trivial (longdpo/data.py)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
+    One byte = one token makes exact-length synthetic pairs trivial (longdpo/data/synthetic.py)."""
     pad, bos, eos, others, template = BYTE_TOKENIZERS[kind]
     specials = [t for t in (pad, bos, eos, "<unk>", *others) if t]
     byte_chars = list(bytes_to_unicode().values())
@@ -98,8 +100,6 @@ def model_source(path_or_id: str) -> str:
 def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
     """A local directory must hold a model's config (for a model); a Hub id must resolve now (its config or tokenizer
     files only: no weights are fetched here), from the Hugging Face cache or the Hub. Else one line naming the fix."""
-    from transformers import AutoConfig, AutoTokenizer
-
     local = model_source(path_or_id)
     if os.path.isdir(local):
         if needs == "config":  # its config only (no weights): a folder of something else fails here, not after
@@ -117,8 +117,6 @@ def check_source(key: str, path_or_id: str, needs: str = "config") -> None:
             f"`{key}` {path_or_id!r} is neither a local directory nor a Hugging Face Hub id "
             "(`owner/name`). Point it at a directory written by `save_pretrained`, or a Hub id."
         )
-    from huggingface_hub import constants
-
     try:
         (AutoConfig if needs == "config" else AutoTokenizer).from_pretrained(path_or_id)
     except (OSError, ValueError) as error:
@@ -140,8 +138,6 @@ def load_tokenizer(args: ModelArgs):
     if source in BYTE_TOKENIZERS:
         tokenizer = build_byte_tokenizer(source)
     else:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(model_source(source))
     if args.chat_template:
         tokenizer.chat_template = read_chat_template(args.chat_template)
@@ -172,8 +168,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def load_architecture(args: ModelArgs):
     """The transformers config of the model: from the architecture JSON or the model directory."""
-    from transformers import AutoConfig
-
     if args.architecture:
         with open(resolve_path(args.architecture)) as f:
             spec = json.load(f)
@@ -188,10 +182,6 @@ def load_architecture(args: ModelArgs):
 
 def build_model(args: ModelArgs):
     """The policy (or an identical reference: same config, same seed) as a fresh CausalLM."""
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations import is_deepspeed_zero3_enabled
-    from transformers.trainer_utils import set_seed
-
     config = load_architecture(args)
     dtype = DTYPES[args.dtype]
     if args.architecture:

@@ -15,7 +15,14 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+from peft import PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers import AutoModelForCausalLM
+from trl import ModelConfig, get_peft_config
+
 from longdpo.config import ModelArgs, RecipeError, resolve_path
+from longdpo.model.build import DTYPES, load_architecture, model_source
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +44,6 @@ def peft_config(args: ModelArgs):
     """TRL's LoraConfig for these model keys, or None without `use_peft`."""
     if not args.use_peft:
         return None
-    from trl import ModelConfig, get_peft_config
-
     return get_peft_config(
         ModelConfig(
             use_peft=True,
@@ -62,10 +67,6 @@ def check_lora_args(args: ModelArgs) -> None:
         if given:
             raise RecipeError(f"`model.{given[0]}` is set but LoRA is off: set `model.use_peft: true` (or drop it).")
         return
-    import importlib.util
-
-    if importlib.util.find_spec("peft") is None:
-        raise RecipeError("`model.use_peft: true` needs the peft package: `pip install -r requirements.txt`.")
     if args.lora_r < 1 or args.lora_alpha <= 0:
         raise RecipeError(
             f"`model.lora_r` must be at least 1 and `model.lora_alpha` positive (got {args.lora_r}, {args.lora_alpha})."
@@ -84,18 +85,11 @@ def check_lora_args(args: ModelArgs) -> None:
 
 def _skeleton(args: ModelArgs):
     """The model's modules on the meta device: names and types, no memory."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from longdpo.model.build import load_architecture
-
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(load_architecture(args))
 
 
 def _check_targets(args: ModelArgs) -> None:
-    import torch
-
     model = _skeleton(args)
     names = [name for name, _ in model.named_modules()]
 
@@ -130,16 +124,12 @@ def adapter_params(args: ModelArgs, skeleton=None) -> int:
 
 
 def _count_adapters(args: ModelArgs, skeleton) -> int:
-    from peft import get_peft_model
-
     try:
         peft_model = get_peft_model(skeleton if skeleton is not None else _skeleton(args), peft_config(args))
     except ValueError as e:  # PEFT's own matching: a regex or default targets that find nothing, a bad task type
         raise RecipeError(
             f"LoRA settings do not apply to this model: {str(e).splitlines()[0]} Fix `model.lora_target_modules`."
         ) from None
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     if isinstance(peft_model.get_output_embeddings(), BaseTunerLayer):  # TRL refuses it after loading the model
         raise RecipeError(
             "`model.lora_target_modules` adapts `lm_head`, but DPO's log-probs are computed from "
@@ -157,11 +147,6 @@ def trainable_summary(model) -> str:
 def save_merged(output_dir: str, args: ModelArgs, tokenizer) -> str:
     """The saved adapter merged into the base weights (read again from `model.name_or_path`, on the CPU), written to
     `<output_dir>/merged`: a plain model that loads with `from_pretrained` and needs no peft."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from longdpo.model.build import DTYPES, model_source
-
     base = AutoModelForCausalLM.from_pretrained(model_source(resolve_path(args.name_or_path)), dtype=DTYPES[args.dtype])
     merged = PeftModel.from_pretrained(base, output_dir).merge_and_unload()
     target = os.path.join(output_dir, "merged")

@@ -37,8 +37,10 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
                  where anything is offloaded, + host_process_gb (the process's own resident memory); times the
                  ranks of a node
 
-The fitted numbers live in longdpo/planner/calibration.json (`python launch/plan_memory.py --calibrate` rebuilds it
-from results/); a configuration without measurements borrows its nearest measured relative and says so.
+Each lever's terms come from its declaration (longdpo/levers/: `geometry` for the tokens a rank holds, `price` for
+the bytes); this module adds the rest. The fitted numbers live in longdpo/planner/calibration.json, fitted from the
+committed GPU results by `python tools/calibrate_planner.py`; the per-token coefficients are fitted per lever set
+(its `priced_name`), and a lever set without measurements borrows its nearest measured relative and says so.
 """
 
 from __future__ import annotations
@@ -46,16 +48,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
 
 from longdpo.config import Recipe, RecipeError, trainer_default
+from longdpo.data.synthetic import synthetic_pair
+from longdpo.levers import LeverSet, levers
+from longdpo.model.build import load_architecture
+from longdpo.model.lora import adapter_params
 
 GB = 1e9
 SUB_GROUP = 1e9  # DeepSpeed ZeRO-3's default sub_group_size: parameters per optimizer sub-step
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
-# bf16 bytes kept per token, per layer, per hidden unit by each policy's checkpoints (before offloading)
-STORED_BYTES = {"layer": 2.0, "attn_mlp": 16.0, "norm_attn": 14.0, "norm_attn_mlp": 8.0}
+# Lever sets the planner proposes whole (measured: the first the best at 12k, 5.56 GB for 1.07x stock's time; the
+# second the least memory at 12k-64k, for 1.09-1.12x stock's time)
+PRESETS = ("layer+norm_attn_mlp+offload", "layer+lean+chunked8+head+offload")
 
 
 @dataclass
@@ -76,26 +82,52 @@ class Setup:
     offload_param: bool = False
     emulate: bool = False  # one process, sgd_in_backward
     precompute_ref: bool = False
-    config: str = "stock"  # calibration key: stock / stock+offload / layer+norm_attn_mlp+offload / ...
-    allocator_conf: str | None = None
-    sp: int = 1  # sequence-parallel group size: each rank holds 1/sp of every sequence
-    offload_pinned: bool = True  # pinned host blocks are rounded up to a power of two; pageable ones are not
-    offload_keep_layers: int = 0  # with offloading, layers whose checkpointed inputs stay on the GPU
+    levers: LeverSet = field(default_factory=LeverSet)
     lora_params: int = 0  # LoRA: trainable adapter parameters (0: full fine-tuning)
     model_type: str = "mistral"
-    pair_tokens: int | None = None  # data.shared_prompt: one row per pair, prompt + chosen + rejected + 1
-    padding_mask: bool = False  # TRL's padding mask kept, and the pairs pad
+    pair_tokens: int | None = None  # measured on the data: the most tokens one pair's shared row puts through
+    pads: bool = False  # a batch's rows differ in length (TRL pads them)
 
-    @property
-    def masked(self) -> bool:
-        """TRL's padding mask reaches attention as a seq x seq mask per row (a shared row brings its own attention)."""
-        return self.padding_mask and not self.pair_tokens
 
-    @property
-    def tokens(self) -> int:
-        """Tokens whose activations this rank holds: the chosen + rejected sequences (or the one shared row), or its
-        1/sp shard of them."""
-        return (self.pair_tokens or 2 * self.seq) * self.batch // self.sp
+@dataclass
+class Terms:
+    """The levers' terms of one Setup (longdpo/levers/: `geometry`, then `price`)."""
+
+    priced_name: str
+    pair_tokens: int  # tokens one pair puts through the model: TRL's two rows of seq, or its shared row
+    shards: int = 1  # a rank holds 1/shards of them
+    shared_rows: bool = False
+    tokens: int = 0  # tokens whose activations this rank holds
+    stored_bytes: float = 2.0  # bf16 bytes per token, layer and hidden unit that checkpoints keep on the GPU
+    saves_layer_inputs: bool = False  # the checkpoints keep each layer's input (transformers' layer checkpoint)
+    offloads_layer_inputs: bool = False  # and those inputs go to the host
+    kept_layers: int = 0  # layers whose inputs stay on the GPU although offloaded
+    host_bytes: float = 0.0  # per rank, what the levers put on the host
+    masked: bool = False  # TRL's padding mask reaches attention
+    mask_bytes: float = 0.0
+    allocator_factor: float = 1.0
+    allocator_key: str | None = None
+    upper_bound_without: list = field(default_factory=list)  # (key, why): unmeasured sets borrow these without it
+    notes: list = field(default_factory=list)
+
+
+def terms_of(s: Setup, cal: dict) -> Terms:
+    terms = Terms(priced_name=s.levers.priced_name, pair_tokens=2 * s.seq)
+    for lever in levers():
+        lever.geometry(s.levers, s, terms)
+    terms.tokens = terms.pair_tokens * s.batch // terms.shards
+    for lever in levers():
+        lever.price(s.levers, s, terms, cal)
+    return terms
+
+
+def tokens(s: Setup) -> int:
+    """Tokens whose activations one rank holds: the chosen and rejected sequences (or the shared row), or its
+    shard of them."""
+    terms = Terms(priced_name="", pair_tokens=2 * s.seq)
+    for lever in levers():
+        lever.geometry(s.levers, s, terms)
+    return terms.pair_tokens * s.batch // terms.shards
 
 
 @dataclass
@@ -112,6 +144,7 @@ class Plan:
     suggestions: list = field(default_factory=list)  # (change, predicted reserved GB, host GB per node)
     checkpoint_gb: float | None = None  # one checkpoint on disk (checkpoint_bytes)
     checkpoints_kept: int = 0
+    terms: Terms | None = None
 
     def limits(self):
         """(predicted, limit, where) for each limit that was given."""
@@ -147,82 +180,22 @@ def model_flops_per_step(
     forward + backward = 3 x forward, reference forward = 1 x. Forward = 2 x matmul parameters (all but the input
     embedding) per token + attention, 4 x attention width per (query, key) pair per layer: causal over a sequence of
     T tokens, 2 x T^2 x width. `pair`: (prompt, chosen, rejected) tokens of each pair, counted as run, padding left
-    out: TRL's two rows P + C and P + R, or with `s.pair_tokens` the shared row [P, C, R], whose rejected tokens see
-    the prompt and themselves (query-key pairs (P+C)^2/2 + (P+R)^2/2 - P^2/2). Without it, two rows of `s.seq`."""
+    out: TRL's two rows P + C and P + R, or as shared rows [P, C, R], whose rejected tokens see the prompt and
+    themselves (query-key pairs (P+C)^2/2 + (P+R)^2/2 - P^2/2). Without it, two rows of `s.seq`."""
+    terms = Terms(priced_name="", pair_tokens=2 * s.seq)
+    for lever in levers():
+        lever.geometry(s.levers, s, terms)
     p, c, r = pair or (0, s.seq, s.seq)
     tokens, squares = (
         (p + c + r, (p + c) ** 2 + (p + r) ** 2 - p**2)
-        if s.pair_tokens
+        if terms.shared_rows
         else (2 * p + c + r, (p + c) ** 2 + (p + r) ** 2)
     )
     matmul_params = s.params - s.embed_params
     # under sequence parallelism a rank runs the linear layers on its 1/sp of the tokens and attention on 1/sp of
-    # the heads over the whole sequence: both terms divide by sp
-    forward = s.batch * (2 * matmul_params * tokens + 2 * s.layers * squares * attn_width) / s.sp
+    # the heads over the whole sequence: both terms divide by the shards
+    forward = s.batch * (2 * matmul_params * tokens + 2 * s.layers * squares * attn_width) / terms.shards
     return forward * (3 + (1 if with_reference else 0))
-
-
-def config_name(
-    policy: str,
-    tiled_mlp: int,
-    offload: bool,
-    mlp_chunks: int = 0,
-    lean_norm: bool = False,
-    lean_lm_head: bool = False,
-    liger: bool = False,
-) -> str:
-    name = "stock" if policy == "layer" else policy
-    if lean_norm:
-        name += "+lean"
-    if liger:
-        name += "+liger"
-    if lean_lm_head:
-        name += "+head"
-    if tiled_mlp:
-        name += "+tiled"
-    if mlp_chunks:
-        name += "+chunked"
-    return name + ("+offload" if offload else "")
-
-
-def stored_bytes(config: str) -> float:
-    if "offload" in config and config.split("+")[0] in ("stock", "layer"):
-        return 0.0  # TRL offloads the layer checkpoint's inputs to host memory
-    policy = re.split(r"\+(?:lean|liger|head|tiled|chunked|offload)", config)[0]
-    if policy == "stock" or policy.startswith("layer"):
-        return STORED_BYTES["layer"]
-    return STORED_BYTES.get(policy, STORED_BYTES["attn_mlp"])
-
-
-def pinned_bytes(nbytes: float) -> float:
-    """What torch's pinned caching allocator holds for a block of `nbytes`: the next power of two."""
-    return 2 ** math.ceil(math.log2(nbytes))
-
-
-def offloads_layer_inputs(config: str) -> bool:
-    """TRL's offloading of the layer checkpoint's inputs: what `memory.offload_keep_layers` keeps part of."""
-    return config.endswith("+offload") and stored_bytes(config) == 0
-
-
-def allocator_key(s: Setup, with_config: bool = True) -> str | None:
-    """Allocator factors are fitted per setting, mode and configuration: max_split_size_mb:64 scaled what is not
-    resident 2.5x under real ZeRO-3 with norm_attn_mlp (4 layers), 1.5x with stock's layer checkpointing (1 layer),
-    and 0.97x in one process with SGD in backward (40 layers). Without a measurement of the configuration, the mean
-    of the setting's measurements in that mode."""
-    if not s.allocator_conf:
-        return None
-    key = f"{s.allocator_conf} @ {'zero3' if s.zero3 else 'one process'}"
-    return f"{key} / {s.config}" if with_config else key
-
-
-def _allocator_factor(s: Setup, cal: dict) -> float:
-    factors = cal.get("allocator_factors", {})
-    if not s.allocator_conf:
-        return 1.0
-    if allocator_key(s) in factors:
-        return factors[allocator_key(s)]
-    same = [v for k, v in factors.items() if k.startswith(allocator_key(s, with_config=False) + " / ")]
-    return sum(same) / len(same) if same else 1.0
 
 
 def load_calibration(path: str = CALIBRATION) -> dict:
@@ -230,19 +203,19 @@ def load_calibration(path: str = CALIBRATION) -> dict:
         return json.load(f)
 
 
-def _coefficients(config: str, cal: dict) -> tuple[dict, str]:
-    configs = cal["configs"]
-    if config in configs:
-        return configs[config], f"measurements of this configuration ({config})"
-    if "+liger" in config and config.replace("+liger", "") in configs:  # Liger's kernels keep less, not more
-        without = config.replace("+liger", "")
-        return configs[without], (
-            f"measurements of {without}, the same levers without Liger's kernels (an upper bound: Liger keeps less)"
-        )
-    # nearest measured relative: same offload choice, stock checkpointing
-    fallback = "stock+offload" if config.endswith("+offload") else "stock"
+def _coefficients(s: Setup, terms: Terms, cal: dict) -> tuple[dict, str]:
+    configs, name = cal["configs"], terms.priced_name
+    if name in configs:
+        return configs[name], f"measurements of this lever set ({name})"
+    for key, why in terms.upper_bound_without:
+        without = s.levers.replace(**{key: getattr(LeverSet(), key)}).priced_name
+        if without in configs:
+            return configs[without], f"measurements of {without}, the same levers without {why}"
+    # the nearest measured relative: the levers an unmeasured set keeps (offloading or not), the rest at defaults
+    kept = {k.name: getattr(s.levers, k.name) for lever in levers() if lever.kept_in_fallback for k in lever.keys}
+    fallback = LeverSet(**kept).priced_name
     return configs[fallback], (
-        f"measurements of {fallback}: this combination of levers ({config}) was not measured, "
+        f"measurements of {fallback}: this combination of levers ({name}) was not measured, "
         "so its nearest measured relative stands in (expect less memory than predicted)"
     )
 
@@ -251,12 +224,13 @@ def predict(
     s: Setup, cal: dict | None = None, gpu_memory_gb: float | None = None, host_memory_gb: float | None = None
 ) -> Plan:
     cal = cal or load_calibration()
-    coef, source = _coefficients(s.config, cal)
+    terms = terms_of(s, cal)
+    coef, source = _coefficients(s, terms, cal)
     p, r = s.params, s.ranks
     a = s.lora_params
-    lora = cal.get("lora", {}).get(s.config) if a else None
+    lora = cal.get("lora", {}).get(terms.priced_name) if a else None
     if lora:
-        coef, source = lora, f"LoRA measurements of this configuration ({s.config})"
+        coef, source = lora, f"LoRA measurements of this lever set ({terms.priced_name})"
     if s.emulate:
         states, ref, step = 2.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0
         gathered = gap = 0.0
@@ -278,24 +252,14 @@ def predict(
         gathered = 2.0 * max(s.layer_params, s.embed_params)
     else:  # one process, torch AdamW: param + grad + 2 moments in the parameter dtype (bf16)
         states, ref, step, gathered, gap = 8.0 * p, (0.0 if s.precompute_ref else 2.0 * p), 0.0, 0.0, 0.0
-    keep = s.offload_keep_layers if offloads_layer_inputs(s.config) else 0
-    stored = s.tokens * s.hidden * (s.layers * stored_bytes(s.config) + 2.0 * keep)
-    per_token = s.tokens * coef["per_token_bytes"] * s.hidden / cal.get("hidden", s.hidden)
-    # kept on pairs that pad, TRL's mask becomes an explicit seq x seq mask per row (bool, and the additive form
-    # attention builds from it): a few large blocks, so outside the fragmentation of the per-token churn (measured
-    # at 32k: +7.25 GB allocated, +5.9 GB reserved)
-    mask = cal.get("mask_bytes_per_element", 0.0) * 2 * s.batch * s.seq**2 if s.masked else 0
+    stored = terms.tokens * s.hidden * (s.layers * terms.stored_bytes + 2.0 * terms.kept_layers)
+    per_token = terms.tokens * coef["per_token_bytes"] * s.hidden / cal.get("hidden", s.hidden)
+    mask = terms.mask_bytes
     backward = gathered + stored + per_token
     allocated = states + ref + max(backward + mask, step)
-    allocator = _allocator_factor(s, cal)
     factor = coef.get("reserved_factor_zero3", coef["reserved_factor"]) if s.zero3 else coef["reserved_factor"]
-    reserved = states + ref + max(backward * factor + mask, step + gap) * allocator
-    host = 0.0
-    if s.config.endswith("+offload"):
-        block = s.tokens * s.hidden * 2
-        per_block = pinned_bytes(block) * cal["pinned_factor"] if s.offload_pinned else block
-        # the layer inputs, and the blocks saved after the last layer (the final norm's and the LM head's inputs)
-        host += (s.layers - keep + cal.get("offload_extra_blocks", 0.0)) * per_block
+    reserved = states + ref + max(backward * factor + mask, step + gap) * terms.allocator_factor
+    host = terms.host_bytes
     if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
     if host:  # what each process holds itself beside what it offloads
@@ -318,8 +282,7 @@ def predict(
         )
     if a and not lora:
         source += f"; LoRA ({a / 1e6:.1f} M adapter parameters): activations taken from full fine-tuning"
-    if s.sp > 1:
-        source += f"; sequence parallel {s.sp}: per-rank tokens / {s.sp} (Ulysses all-to-all buffers not calibrated)"
+    source += "".join(f"; {note}" for note in terms.notes)
     return Plan(
         breakdown={k: round(v / GB, 2) for k, v in breakdown.items()},
         peak_allocated_gb=round(allocated / GB, 2),
@@ -330,6 +293,7 @@ def predict(
         calibrated_from=source,
         gpu_memory_gb=gpu_memory_gb,
         host_memory_gb=host_memory_gb,
+        terms=terms,
     )
 
 
@@ -349,61 +313,58 @@ def planned_length(recipe: Recipe, longest_pair: int | None = None) -> int:
     return longest_pair
 
 
+def needs_pairs(recipe: Recipe) -> bool:
+    """Whether the plan depends on the pairs themselves (files or a Hub dataset): with `max_length: null`, their
+    longest; where a lever says so (the shared prompt: the costliest shared row)."""
+    if recipe.data.synthetic:
+        return False
+    no_max_length = recipe.trainer.get("max_length", trainer_default("max_length")) is None
+    return no_max_length or any(lever.needs_pairs(recipe.levers, recipe) for lever in levers())
+
+
 def setup_from_recipe(
     recipe: Recipe,
     gpus: int,
     nodes: int = 1,
     ds_config: dict | None = None,
-    seq: int | None = None,
-    pair_tokens: int | None = None,
+    pairs: list[tuple[int, int, int]] | None = None,
 ) -> Setup:
-    """`seq`: the data's longest pair, for `max_length: null` (planned_length). `pair_tokens`: with
-    `data.shared_prompt`, the tokens the costliest pair puts through the model, measured on the data
-    (`longdpo.data.costliest_pair_tokens`); synthetic pairs say it themselves."""
-    from longdpo.model.build import load_architecture
-
+    """`pairs`: (prompt, chosen, rejected) tokens of each pair measured on the data (longdpo.data.lengths), where
+    `needs_pairs` says the plan depends on them; synthetic pairs say their shape themselves."""
     arch = load_architecture(recipe.model)
     total, layer, embed = count_params(arch)
     lora_params = 0
     if recipe.model.use_peft:
-        from longdpo.model.lora import adapter_params
-
         lora_params = adapter_params(recipe.model)
-    t, mem = recipe.trainer, recipe.memory
+    t, spec = recipe.trainer, recipe.data.synthetic
     zero = (ds_config or {}).get("zero_optimization", {})
-    offload = bool(t.get("activation_offloading"))
+    seq = planned_length(recipe, max((p + max(c, r) for p, c, r in pairs), default=0) if pairs else None)
+    if spec:
+        pairs = [synthetic_pair(spec, seq)]
+    facts = {}
+    for lever in levers():
+        if pairs is not None:
+            facts.update(lever.setup_facts(recipe.levers, recipe, seq, pairs, synthetic=bool(spec)))
     return Setup(
         params=total,
         layer_params=layer,
         embed_params=embed,
         layers=arch.num_hidden_layers,
         hidden=arch.hidden_size,
-        seq=planned_length(recipe, seq),
+        seq=seq,
         batch=t.get("per_device_train_batch_size", trainer_default("per_device_train_batch_size")),
         ranks=gpus * nodes,
         ranks_per_node=gpus,
         zero3=zero.get("stage") == 3,
         offload_optimizer=zero.get("offload_optimizer", {}).get("device") == "cpu",
         offload_param=zero.get("offload_param", {}).get("device") == "cpu",
-        emulate=mem.sgd_in_backward,
+        emulate=recipe.memory.sgd_in_backward,
         precompute_ref=bool(t.get("precompute_ref_log_probs")),
-        config=config_name(
-            mem.checkpointing,
-            mem.tiled_mlp,
-            offload,
-            mem.mlp_chunks,
-            mem.lean_norm,
-            mem.lean_lm_head,
-            bool(t.get("use_liger_kernel")),
-        ),
-        allocator_conf=mem.allocator_conf,
-        sp=recipe.parallelism.sp_size,
-        offload_pinned=mem.offload_pin_memory,
-        offload_keep_layers=mem.offload_keep_layers,
+        levers=recipe.levers,
         lora_params=lora_params,
         model_type=getattr(arch, "model_type", "mistral"),
-        pair_tokens=pair_tokens or shared_pair_tokens(recipe, planned_length(recipe, seq)),
-        padding_mask=mem.padding_mask == "keep" and pairs_pad(recipe),
+        pads=pairs_pad(recipe),
+        **facts,
     )
 
 
@@ -417,118 +378,75 @@ def pairs_pad(recipe: Recipe) -> bool:
     return rejected != chosen
 
 
-def shared_pair_tokens(recipe: Recipe, seq: int) -> int | None:
-    """With `data.shared_prompt`, the tokens of one pair's shared row: synthetic pairs say their prompt; for other
-    data the prompt's length is not known before tokenizing, so the plan keeps TRL's two rows (an upper bound), as
-    it does for pairs that would save less than `data.shared_prompt_min_saving` (they run as TRL's rows)."""
-    spec = recipe.data.synthetic
-    if not recipe.data.shared_prompt or not spec:
-        return None
-    return shared_tokens(spec, seq, recipe.data.shared_prompt_min_saving)
-
-
-def shared_tokens(spec: dict, seq: int, min_saving: float) -> int | None:
-    """The shared row of a synthetic pair (`data.synthetic`) cut to `seq` tokens, or None where it saves less than
-    `min_saving` of TRL's two rows (such a pair runs as TRL's rows)."""
-    from longdpo.data import tokens_through_model
-
-    tokens = tokens_through_model(*synthetic_pair(spec, seq), min_saving)
-    return tokens if tokens < 2 * seq else None
-
-
-def synthetic_pair(spec: dict, seq: int) -> tuple[int, int, int]:
-    """(prompt, chosen, rejected) tokens of a synthetic pair (`data.synthetic`) cut to `seq` tokens."""
-    prompt = spec["prompt_tokens"]
-    chosen = seq - prompt
-    return prompt, chosen, min(spec.get("rejected_tokens", chosen), chosen)
-
-
-# Changes from the recipe's own switches, cheapest first: speed cost, then hardware, then the task itself.
-def _candidates(s: Setup):
-    if s.masked:
-        yield (
-            "memory.padding_mask: auto (no mask for right-padded pairs: attention keeps its causal kernel)",
-            replace(s, padding_mask=False),
-        )
-    if not s.config.endswith("+offload"):
-        yield "activation_offloading: true", replace(s, config=s.config + "+offload")
-    elif s.offload_pinned:
-        yield (
-            "memory.offload_pin_memory: false (pageable host memory: exact sizes, slower copies)",
-            replace(s, offload_pinned=False),
-        )
-    best = "layer+norm_attn_mlp+offload"  # measured best at 12k: 5.56 GB for 1.07x stock's time
-    if s.config != best:
-        yield "memory.checkpointing: layer+norm_attn_mlp and activation_offloading: true", replace(s, config=best)
-    leanest = "stock+lean+head+chunked+offload"  # measured least memory at 12k-64k, for 1.09-1.12x stock's time
-    if s.config != leanest:
-        yield (
-            (
-                "memory.checkpointing: layer, memory.lean_norm: true, memory.lean_lm_head: true, memory.mlp_chunks: 8 "
-                "and activation_offloading: true"
-            ),
-            replace(s, config=leanest),
-        )
-    if s.allocator_conf:
-        yield (
-            "memory.allocator_conf: null (measured: max_split_size_mb:64 raised reserved 1.4x)",
-            replace(s, allocator_conf=None),
-        )
+def _proposals(s: Setup, plan_of):
+    """(rank, kind, change, Setup): the changes of the recipe's own switches, cheapest first (speed cost, then
+    hardware, then the task itself); two changes of one kind are never paired."""
+    found = []
+    for lever in levers():
+        for rank, change, settings in lever.proposals(s.levers, s, lambda ls: plan_of(replace(s, levers=ls))):
+            found.append((rank, change.split(":")[0], change, replace(s, levers=settings)))
+    for preset in PRESETS:
+        settings = s.levers.with_priced_from(LeverSet.read(preset))
+        if settings.priced_name != s.levers.priced_name:
+            found.append((2, "preset", s.levers.changes_to(settings), replace(s, levers=settings)))
     if s.zero3 and not s.offload_optimizer:
-        yield (
-            "ds_configs/zero3_offload.json (optimizer state and parameters on CPU)",
-            replace(s, offload_optimizer=True, offload_param=True),
+        found.append(
+            (
+                4,
+                "zero3_offload",
+                "ds_configs/zero3_offload.json (optimizer state and parameters on CPU)",
+                replace(s, offload_optimizer=True, offload_param=True),
+            )
         )
     if s.zero3 and s.ranks == 1 and not s.offload_param:  # ZeRO-3 on one GPU partitions nothing
-        yield "one process without DeepSpeed (`python launch/train_dpo.py`)", replace(s, zero3=False)
-    if s.zero3:
-        yield f"{s.ranks * 2} GPUs instead of {s.ranks}", replace(s, ranks=s.ranks * 2)
-    if s.batch > 1:
-        yield (
-            "per_device_train_batch_size: 1 (raise gradient_accumulation_steps to keep the batch)",
-            replace(s, batch=1),
+        found.append(
+            (4, "one_process", "one process without DeepSpeed (`python launch/train_dpo.py`)", replace(s, zero3=False))
         )
-    yield f"max_length: {s.seq // 2}", replace(s, seq=s.seq // 2)
-
-
-def _fewest_kept_layers(s: Setup, cal: dict, gpu_memory_gb: float | None, host_memory_gb: float | None):
-    """Where offloaded activations overflow the host: the fewest layers kept on the GPU that make the run fit (no
-    speed cost: those copies are not made)."""
-    if not offloads_layer_inputs(s.config) or host_memory_gb is None:
-        return None
-    if predict(s, cal).host_per_node_gb <= host_memory_gb:
-        return None
-    for keep in range(s.offload_keep_layers + 1, s.layers):
-        alt = predict(replace(s, offload_keep_layers=keep), cal, gpu_memory_gb, host_memory_gb)
-        if alt.fits:
-            change = f"memory.offload_keep_layers: {keep} (the last {keep} layers' activations stay on the GPU)"
-            return change, alt.peak_reserved_gb, alt.host_per_node_gb
-        if gpu_memory_gb is not None and alt.peak_reserved_gb > gpu_memory_gb:
-            return None
-    return None
+    if s.zero3:
+        found.append((4, "gpus", f"{s.ranks * 2} GPUs instead of {s.ranks}", replace(s, ranks=s.ranks * 2)))
+    if s.batch > 1:
+        found.append(
+            (
+                4,
+                "batch",
+                "per_device_train_batch_size: 1 (raise gradient_accumulation_steps to keep the batch)",
+                replace(s, batch=1),
+            )
+        )
+    found.append((4, "max_length", f"max_length: {s.seq // 2}", replace(s, seq=s.seq // 2)))
+    return sorted(found, key=lambda proposal: proposal[0])
 
 
 def suggest(
     s: Setup, gpu_memory_gb: float | None, cal: dict | None = None, host_memory_gb: float | None = None
 ) -> list[tuple[str, float, float]]:
-    """Single changes that fit, cheapest first; when none does, the cheapest pairs of changes that do (up to 3)."""
+    """Single changes that fit, cheapest first (a lever's own search for the smallest change that fits comes
+    first); when none does, the cheapest pairs of changes that do (up to 3)."""
     cal = cal or load_calibration()
-    kept = _fewest_kept_layers(s, cal, gpu_memory_gb, host_memory_gb)
-    out = [kept] if kept else []
-    for change, alt in _candidates(s):
-        alt_plan = predict(alt, cal, gpu_memory_gb, host_memory_gb)
+
+    def plan_of(setup: Setup) -> Plan:
+        return predict(setup, cal, gpu_memory_gb, host_memory_gb)
+
+    out = []
+    for lever in levers():
+        found = lever.fitting_change(s.levers, s, lambda ls: plan_of(replace(s, levers=ls)))
+        if found:
+            change, alt = found
+            out.append((change, alt.peak_reserved_gb, alt.host_per_node_gb))
+    for _, _, change, alt in _proposals(s, plan_of):
+        alt_plan = plan_of(alt)
         if alt_plan.fits:
             out.append((change, alt_plan.peak_reserved_gb, alt_plan.host_per_node_gb))
     if out:
         return out
     seen = set()
-    for change, alt in _candidates(s):
-        for second, both in _candidates(alt):
+    for _, kind, change, alt in _proposals(s, plan_of):
+        for _, second_kind, second, both in _proposals(alt, plan_of):
             pair = frozenset((change, second))
-            if second.split(":")[0] == change.split(":")[0] or pair in seen:
+            if second_kind == kind or pair in seen:
                 continue
             seen.add(pair)
-            both_plan = predict(both, cal, gpu_memory_gb, host_memory_gb)
+            both_plan = plan_of(both)
             if both_plan.fits and len(out) < 3:
                 out.append((f"{change}, and {second}", both_plan.peak_reserved_gb, both_plan.host_per_node_gb))
     return out
@@ -569,10 +487,9 @@ def plan(
     nodes: int = 1,
     ds_config: dict | None = None,
     host_memory_gb: float | None = None,
-    seq: int | None = None,
-    pair_tokens: int | None = None,
+    pairs: list[tuple[int, int, int]] | None = None,
 ) -> Plan:
-    s = setup_from_recipe(recipe, gpus, nodes, ds_config, seq, pair_tokens)
+    s = setup_from_recipe(recipe, gpus, nodes, ds_config, pairs)
     result = predict(s, gpu_memory_gb=gpu_memory_gb, host_memory_gb=host_memory_gb)
     t = recipe.trainer
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2

@@ -7,6 +7,9 @@ import json
 import logging
 import os
 
+import psutil
+import torch
+
 from longdpo.checks import check_deepspeed_config
 from longdpo.config import RecipeError
 from longdpo.planner import plan as planner
@@ -16,8 +19,6 @@ logger = logging.getLogger("train_dpo")
 
 def gpu_memory_gb(recipe) -> float | None:
     """The per-GPU budget: the recipe's cap (also on CPU, for planning), else this rank's GPU."""
-    import torch
-
     if recipe.memory.memory_cap_gb:
         return recipe.memory.memory_cap_gb
     if torch.cuda.is_available():
@@ -27,33 +28,22 @@ def gpu_memory_gb(recipe) -> float | None:
     return None
 
 
-def planned(
-    recipe, world_size: int, gpu_memory: float | None = None, seq: int | None = None, pair_tokens: int | None = None
-):
-    """The plan of this launch: the launcher's ranks per node, the DeepSpeed config it was given."""
+def planned(recipe, world_size: int, gpu_memory: float | None = None, pairs=None):
+    """The plan of this launch: the launcher's ranks per node, the DeepSpeed config it was given. `pairs`: the data's
+    (prompt, chosen, rejected) token counts where the plan depends on them (longdpo.planner.plan.needs_pairs)."""
     ds_path = recipe.trainer.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     ds = check_deepspeed_config(ds_path) if ds_path else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     budget = gpu_memory if gpu_memory is not None else gpu_memory_gb(recipe)
-    return planner.plan(recipe, per_node, budget, max(1, world_size // per_node), ds, seq=seq, pair_tokens=pair_tokens)
+    return planner.plan(recipe, per_node, budget, max(1, world_size // per_node), ds, pairs=pairs)
 
 
-def preflight(
-    recipe,
-    world_size: int,
-    enforce: bool,
-    seq: int | None = None,
-    pair_tokens: int | None = None,
-    problems_found: bool = False,
-):
-    """The planner's verdict; refuses a run predicted not to fit (--skip-preflight runs it anyway). `seq`: the
-    tokens per sequence when `max_length` does not say (null: the data's longest pair); `pair_tokens`: with
-    `data.shared_prompt`, the costliest pair's tokens measured on the data. `problems_found`: the recipe has
-    problems already reported, so a value the planner cannot read is one of them, not worth a line of its own."""
-    import torch
-
+def preflight(recipe, world_size: int, enforce: bool, pairs=None, problems_found: bool = False):
+    """The planner's verdict; refuses a run predicted not to fit (--skip-preflight runs it anyway). `pairs`: the
+    data's token counts where the plan depends on them. `problems_found`: the recipe has problems already reported,
+    so a value the planner cannot read is one of them, not worth a line of its own."""
     try:
-        result = planned(recipe, world_size, seq=seq, pair_tokens=pair_tokens)
+        result = planned(recipe, world_size, pairs=pairs)
     except (AttributeError, KeyError, TypeError, OSError) as e:  # an architecture the planner cannot model
         if not problems_found:
             logger.warning("planner: cannot model this run (%s); no preflight", e)
@@ -71,8 +61,6 @@ def preflight(
             "Apply one of the changes above, or pass --skip-preflight to run anyway."
         )
     if enforce and not torch.cuda.is_available():
-        import psutil
-
         need = planner.cpu_memory_gb(result, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         free = psutil.virtual_memory().available / 1e9
         if need > free:
@@ -85,33 +73,20 @@ def preflight(
     return result
 
 
-def oom_report(
-    error,
-    recipe,
-    world_size: int,
-    records: list[dict],
-    allocator_conf,
-    last_checkpoint,
-    seq: int | None = None,
-    pair_tokens: int | None = None,
-) -> str:
+def oom_report(error, recipe, world_size: int, records: list[dict], last_checkpoint, pairs=None) -> str:
     """What a CUDA out-of-memory error leaves the user: the last steps' telemetry, the allocator's gap, the
     planner's changes for this recipe, the last intact checkpoint."""
-    import torch
-
     lines = [f"CUDA out of memory during training: {str(error).splitlines()[0]}", "last steps' telemetry:"]
     lines += [f"  {json.dumps(r)}" for r in records[-3:]] or ["  (no step completed)"]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stats = torch.cuda.memory_stats()
         gap = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)) / 1e9
-        lines.append(f"allocator now: fragmentation gap {gap:.2f} GB, setting {allocator_conf or 'default'}")
+        lines.append(f"allocator now: fragmentation gap {gap:.2f} GB")
     try:
-        predicted = planned(recipe, world_size, seq=seq, pair_tokens=pair_tokens)
+        predicted = planned(recipe, world_size, pairs=pairs)
         # It did not fit, whatever was predicted: ask for changes predicted below both the budget and the prediction.
         budget = min(predicted.gpu_memory_gb or predicted.peak_reserved_gb, predicted.peak_reserved_gb * 0.999)
-        lines.append(
-            "planner for this recipe:\n" + planner.render(planned(recipe, world_size, budget, seq, pair_tokens))
-        )
+        lines.append("planner for this recipe:\n" + planner.render(planned(recipe, world_size, budget, pairs)))
     except (AttributeError, KeyError, TypeError):
         lines.append("planner: cannot model this run")
     lines.append(

@@ -1,7 +1,4 @@
-"""The memory `TrainerCallback`: allocator settings before CUDA, cache emptying on boundaries, per-step telemetry.
-
-Construct it at the top of the entrypoint, before the model (or anything that touches CUDA) exists: its
-constructor applies `memory.allocator_conf` (longdpo/model/allocator.py) and records which setting won.
+"""The memory `TrainerCallback`: per-step telemetry of GPU and host memory and time.
 
 Per optimizer step, on every rank, it measures peak allocated / peak reserved / fragmentation gap (reserved -
 allocated at peak) / allocator retries and OOMs / host RSS and pinned host memory / step time / real (unpadded)
@@ -14,20 +11,19 @@ and `memory.png`.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
 import re
 import time
 
+import psutil
 import torch
 from transformers import TrainerCallback
 
 from longdpo import patches
 from longdpo.cluster.distributed import max_over_ranks
 from longdpo.config import MemoryArgs
-from longdpo.model import allocator
 
 logger = logging.getLogger(__name__)
 GB = 1e9
@@ -43,12 +39,6 @@ _REDUCED = (
     "host_peak_gb",
     "step_time_s",
 )
-
-
-def empty_cache() -> None:
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def _restart_host_peak() -> bool:
@@ -73,8 +63,6 @@ def _host_peak() -> float | None:
 
 
 def _host_memory() -> tuple[float, float | None]:
-    import psutil
-
     rss = psutil.Process().memory_info().rss / GB
     pinned = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -84,19 +72,18 @@ def _host_memory() -> tuple[float, float | None]:
 
 
 class MemoryCallback(TrainerCallback):
-    def __init__(self, memory: MemoryArgs, allocator_record: dict | None = None):
-        """`allocator_record`: what `allocator.apply` returned if the entrypoint already applied the setting
-        (it does so before importing torch at all); otherwise it is applied here, before CUDA initialises."""
+    def __init__(self, memory: MemoryArgs, step_telemetry: list | None = None, label: str = ""):
+        """`step_telemetry`: callables whose fields join each step's record (the levers'); `label`: the run's lever
+        set, for the summary table."""
         self.memory = memory
-        self.allocator = allocator_record or allocator.apply(memory.allocator_conf)
-        self.weights_gb: float | None = None  # parameter bytes on this rank (policy + reference), set by the entrypoint
+        self.label = label
+        self.step_telemetry = step_telemetry if step_telemetry is not None else []
+        self.weights_gb: float | None = None  # parameter bytes on this rank (policy + reference), set by the run
         self.records: list[dict] = []
-        self._microbatches = 0
         self._step_start = 0.0
         self._host_peak_restarted = False
         self._tokens_at_start = 0
         self._snapshotting = False
-        self.offload_ledger = None  # recipes/offloading.Ledger when activations are offloaded
         self._phase_peaks = None  # [allocated, reserved] peaks before the optimizer step, then during it
 
     # -- helpers -------------------------------------------------------------------------------------------------
@@ -120,27 +107,7 @@ class MemoryCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.memory.telemetry:
             self._keep_earlier_records(args.output_dir, state.global_step)
-        src = self.allocator
-        if state.is_world_process_zero:
-            logger.info(
-                "allocator: %s (source: %s, applied via %s)",
-                src["allocator_conf"] or "torch default",
-                src["source"],
-                src["path"] or "nothing to apply",
-            )
         if self._cuda():
-            self.allocator.update(allocator.verify(src["allocator_conf"]))
-            if state.is_world_process_zero and self.allocator.get("verified") is not None:
-                logger.info(
-                    "allocator read back: max_split_size=%s bytes, verified=%s",
-                    self.allocator.get("max_split_size_bytes"),
-                    self.allocator["verified"],
-                )
-            if self.allocator.get("verified") is False:
-                logger.warning(
-                    "allocator max_split_size does not match memory.allocator_conf: the setting did not "
-                    "reach the allocator (was CUDA initialised before the entrypoint ran?)"
-                )
             patches.measure_optimizer_step(kwargs.get("optimizer"), self._record_phase_peaks)
             if self.memory.snapshot_steps:
                 torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
@@ -160,17 +127,7 @@ class MemoryCallback(TrainerCallback):
         self._step_start = time.perf_counter()
         self._phase_peaks = None
 
-    def _microbatch_done(self):
-        self._microbatches += 1
-        n = self.memory.empty_cache_microbatches
-        if n and self._microbatches % n == 0:
-            empty_cache()
-
-    def on_substep_end(self, args, state, control, **kwargs):
-        self._microbatch_done()
-
     def on_step_end(self, args, state, control, **kwargs):
-        self._microbatch_done()  # the last micro-batch of a step ends here, not in on_substep_end
         if self._cuda():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self._step_start
@@ -202,11 +159,10 @@ class MemoryCallback(TrainerCallback):
             "step": state.global_step,
             **{k: round(v, 4) for k, v in reduced.items()},
             **self._split_peaks(),
-            **self._offloaded(),
+            **{k: v for fields in self.step_telemetry for k, v in fields().items()},
             "tokens": tokens,
             "tokens_per_s": round(tokens / reduced["step_time_s"], 1),
             "weights_gb": round(self.weights_gb, 4) if self.weights_gb is not None else None,
-            "allocator_conf": self.allocator["allocator_conf"],
             "cuda": self._cuda(),
         }
         if host_peak is None:
@@ -228,9 +184,6 @@ class MemoryCallback(TrainerCallback):
                 f.write(json.dumps(record) + "\n")
         if self._snapshotting and state.global_step >= self.memory.snapshot_steps:
             self._dump_snapshot(args, state)
-        n = self.memory.empty_cache_steps
-        if n and state.global_step % n == 0:
-            empty_cache()
 
     def _split_peaks(self) -> dict:
         """The step's peaks before the optimizer step (forward/backward) and during it, max over ranks."""
@@ -245,13 +198,6 @@ class MemoryCallback(TrainerCallback):
             "optimizer_peak_reserved_gb",
         )
         return {k: round(v, 4) for k, v in zip(keys, values)}
-
-    def _offloaded(self) -> dict:
-        """What activation offloading copied to the host this step (longdpo/model/offloading.py), on this rank."""
-        if self.offload_ledger is None:
-            return {}
-        sent, param_shaped = self.offload_ledger.take()
-        return {"offloaded_gb": round(sent / GB, 4), "offloaded_param_shaped": int(param_shaped)}
 
     def _dump_snapshot(self, args, state):
         rank = int(os.environ.get("RANK", 0))
@@ -281,10 +227,10 @@ class MemoryCallback(TrainerCallback):
         if self._snapshotting:
             self._dump_snapshot(args, state)
         if state.is_world_process_zero and self.memory.telemetry and self.records:
-            write_summary(self.records, args.output_dir, state.log_history)
+            write_summary(self.records, args.output_dir, state.log_history, self.label)
 
 
-def write_summary(records: list[dict], output_dir: str, log_history: list[dict] | None = None) -> str:
+def write_summary(records: list[dict], output_dir: str, log_history: list[dict] | None = None, label: str = "") -> str:
     """memory_summary.md in NeMo-RL PR #926's format (steady state: steps after the first) and memory.png."""
     steady = records[1:] or records
 
@@ -293,12 +239,11 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
         return f"{agg(vals):.2f}" if vals else "n/a"
 
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    conf = records[-1].get("allocator_conf") or "default"
     if any(r.get("peak_allocated_gb") is not None for r in records):
         table = (
-            "| Config | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Host peak (GB) | Step Time (s) | "
+            "| Levers | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Host peak (GB) | Step Time (s) | "
             "Tokens/s |\n|---|---|---|---|---|---|---|\n"
-            f"| allocator {conf} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
+            f"| {label or 'this run'} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
             f"{fmt('frag_gap_gb', max)} | {fmt('host_peak_gb', max)} | {fmt('step_time_s', med)} | "
             f"{fmt('tokens_per_s', med)} |\n"
         )
@@ -321,7 +266,7 @@ def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
     """One picture of the run, each quantity on an axis it can be read on: the DPO loss (with ln 2, where policy =
     reference), the reward margin, the reward accuracy (0 to 1) and memory per step (GPU peak allocated / reserved
     where there is a GPU, the host's peak; from 0). Markers only on short runs, where they show the steps."""
-    import matplotlib
+    import matplotlib  # pyplot must wait for the backend: no screen on a training node
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -26,7 +26,9 @@ from collections import defaultdict
 import torch
 from transformers import TrainerCallback
 
-PREFIX = "recipes:"
+from longdpo.model.families import decoder_modules
+from longdpo.model.forwards import PROFILE_LABEL, in_backward
+
 # backward node names (autograd's class names) -> kind
 _BACKWARD_KINDS = (
     ("Attention", "attention"),
@@ -46,17 +48,13 @@ _BACKWARD_KINDS = (
 )
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 def label(module: torch.nn.Module, kind: str) -> None:
     """Run `module.forward` inside a `forward:<kind>` range (`recompute:<kind>` when replayed in backward)."""
     forward = module.forward
 
     def labelled(*args, **kwargs):
-        phase = "recompute" if _in_backward() else "forward"
-        with torch.profiler.record_function(f"{PREFIX}{phase}:{kind}"):
+        phase = "recompute" if in_backward() else "forward"
+        with torch.profiler.record_function(f"{PROFILE_LABEL}{phase}:{kind}"):
             return forward(*args, **kwargs)
 
     module.forward = labelled
@@ -64,9 +62,7 @@ def label(module: torch.nn.Module, kind: str) -> None:
 
 def instrument(model: torch.nn.Module) -> int:
     """Label the decoder's attention, MLP and norm modules (after the lean norms replace their forwards, before any
-    checkpoint wrapper: `apply_memory_patches(..., label=instrument)`). Returns a count."""
-    from longdpo.model.checkpointing import decoder_modules
-
+    checkpoint wrapper: the run labels between the levers' kernel and recompute stages). Returns a count."""
     layers, final_norm = decoder_modules(model)
     count = 0
     for layer in layers:
@@ -85,8 +81,6 @@ def instrument(model: torch.nn.Module) -> int:
 def instrument_reference(ref_model: torch.nn.Module | None) -> None:
     """Label the reference model's decoder layers `forward:reference` (it runs under no_grad: forward only)."""
     if ref_model is not None:
-        from longdpo.model.checkpointing import decoder_modules
-
         for layer in decoder_modules(ref_model)[0]:
             label(layer, "reference")
 
@@ -96,8 +90,8 @@ def _row(event) -> str:
     e = event
     while e is not None:
         name = e.name
-        if name.startswith(PREFIX):
-            return name[len(PREFIX) :]
+        if name.startswith(PROFILE_LABEL):
+            return name[len(PROFILE_LABEL) :]
         if name.startswith("autograd::engine::evaluate_function: "):
             node = name.split(": ", 1)[1]
             kind = next((k for key, k in _BACKWARD_KINDS if key in node), "other")

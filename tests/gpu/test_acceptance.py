@@ -34,8 +34,8 @@ import pytest
 import torch
 
 from longdpo.cluster.distributed import run_job
-from longdpo.data import workload
-from longdpo.planner.levers import Levers
+from longdpo.data.synthetic import workload
+from longdpo.levers import LeverSet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,7 +70,7 @@ class Run:
     weight_gb: float = 47.0  # expected peak reserved (GB), for scheduling only: 1 layer on ZeRO-3 measured 45-48
     compare: bool = True  # same model and data as `stock`: its step-1 gradient norm must match
     planned: bool = True  # the planner's prediction is held to 10%
-    workload: str = "equal"  # the pairs' shape (longdpo/data.py WORKLOADS)
+    workload: str = "equal"  # the pairs' shape (longdpo/data/synthetic.py WORKLOADS)
 
     @property
     def offloads(self) -> bool:
@@ -119,7 +119,7 @@ class Run:
         return [shutil.which("deepspeed"), "--num_gpus", "1", "--master_port", str(port), TRAIN, ZERO3, *args]
 
 
-BASE = Levers().overrides()  # the neutral settings every lever run starts from
+BASE = LeverSet().overrides()  # the neutral settings every lever run starts from
 
 
 def lever(*, workload: str = "equal", seq: int = SHORT, compare: bool = True, **overrides) -> Run:
@@ -421,7 +421,7 @@ def test_lean_lm_head_matches_trls_head_on_gpu():
     from trl.kernels import chunked_logprob as trl_kernel
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE as chunk
 
-    from longdpo.model.lean_lm_head import LeanLMHeadLogProb
+    from longdpo.levers.lean_lm_head import LeanLMHeadLogProb
 
     assert trl_kernel._use_triton(torch.device("cuda"))
     torch.manual_seed(0)
@@ -446,7 +446,7 @@ def test_lean_lm_head_matches_trls_head_on_gpu():
 def test_lean_norm_matches_stock_on_gpu():
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 
-    from longdpo.model.lean_norm import make_lean
+    from longdpo.levers.lean_norm import make_lean
 
     torch.manual_seed(0)
     stock = MistralRMSNorm(5120, eps=1e-5).to("cuda", torch.bfloat16)
@@ -468,13 +468,12 @@ def test_lean_norm_matches_stock_on_gpu():
 
 
 def test_our_levers_wrap_ligers_kernels_on_gpu():
-    """Liger applied before our patches (longdpo/model/liger.py): MLP chunks split Liger's SwiGLU, the lean norm
+    """Liger applied before our levers (longdpo/levers/liger.py): MLP chunks split Liger's SwiGLU, the lean norm
     replaces Liger's RMSNorm, and the loss and every gradient equal the Liger-only model's (bf16)."""
     from longdpo.config import ModelArgs
-    from longdpo.model import liger
+    from longdpo.levers import LeverSet, patch_policy
+    from longdpo.levers.lean_norm import LeanRMSNormFunction
     from longdpo.model.build import build_model
-    from longdpo.model.checkpointing import apply_memory_patches
-    from longdpo.model.lean_norm import LeanRMSNormFunction
 
     settings = ((False, 0), (False, 4), (True, 4))  # (lean norm, MLP chunks); models built before Liger patches
     models = [
@@ -490,8 +489,8 @@ def test_our_levers_wrap_ligers_kernels_on_gpu():
     ids = torch.randint(0, 200, (2, 256), device="cuda")
     results = []
     for model, (lean_norm, chunks) in zip(models, settings):
-        liger.apply([model], liger.take({"use_liger_kernel": True}), lean_norm)
-        apply_memory_patches(model, "layer+attn_mlp", mlp_chunks=chunks, lean_norm=lean_norm)
+        levers = LeverSet(use_liger_kernel=True, checkpointing="layer+attn_mlp", mlp_chunks=chunks, lean_norm=lean_norm)
+        patch_policy(model, levers)
         layer = model.model.layers[0]
         assert layer.mlp._get_name() == "LigerSwiGLUMLP"
         hidden = layer.input_layernorm(
@@ -502,7 +501,7 @@ def test_our_levers_wrap_ligers_kernels_on_gpu():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if chunks:
-            assert layer.mlp.recipes_forward_calls > 0  # our chunk wrapper ran Liger's SwiGLU
+            assert layer.mlp.forward_calls > 0  # our chunk wrapper ran Liger's SwiGLU
         results.append((loss.detach(), [p.grad.float() for p in model.parameters()]))
     (loss0, grads0), *others = results
     for loss, grads in others:
@@ -632,7 +631,7 @@ def test_attention_kernel_on_unequal_pairs_with_and_without_the_mask():
     from torch.profiler import ProfilerActivity, profile
 
     from longdpo.config import ModelArgs
-    from longdpo.model import padding_mask
+    from longdpo.levers import padding_mask
     from longdpo.model.build import build_model
 
     torch.manual_seed(0)

@@ -15,7 +15,8 @@ import signal
 
 import torch
 
-from longdpo.cluster import resilience
+from longdpo import checks
+from longdpo.cluster.signals import ResilienceCallback
 from longdpo.training.callbacks import MemoryCallback
 
 KIND, _, REST = os.environ["FAULT"].partition(":")
@@ -43,27 +44,28 @@ elif KIND == "oom":
 
     MemoryCallback.on_step_begin = oom
 elif KIND == "signal" and int(STEP) > 0:
-    end = resilience.ResilienceCallback.on_step_end
+    end = ResilienceCallback.on_step_end
 
     def signal_then_end(self, args, state, control, **kwargs):
         if state.global_step == int(STEP) and state.is_world_process_zero:
             os.killpg(os.getpgrp(), getattr(signal, NAME))
         return end(self, args, state, control, **kwargs)
 
-    resilience.ResilienceCallback.on_step_end = signal_then_end
+    ResilienceCallback.on_step_end = signal_then_end
 elif KIND == "signal" and int(STEP) == 0:
-    from longdpo.training.run import Run
+    from longdpo.training import run
 
-    build = Run.build_trainer
+    build = run.build_trainer
 
-    def build_then_signal(self):
-        build(self)
-        if self.is_main:
+    def build_then_signal(start, *args):
+        trainer = build(start, *args)
+        if start.is_main:
             os.killpg(os.getpgrp(), getattr(signal, NAME))
+        return trainer
 
-    Run.build_trainer = build_then_signal
+    run.build_trainer = build_then_signal
 elif KIND == "disk":
-    resilience.free_bytes = lambda output_dir: int(STEP)
+    checks.free_bytes = lambda output_dir: int(STEP)
 else:
     raise SystemExit(f"unknown FAULT {os.environ['FAULT']!r}")
 

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from longdpo.config import ModelArgs  # noqa: E402
+from longdpo.levers.sequence_parallel import SequenceParallel  # noqa: E402
 from longdpo.model.build import build_byte_tokenizer, build_model  # noqa: E402
-from longdpo.model.sequence_parallel import SequenceParallel  # noqa: E402
 from longdpo.patches import distributed_on_cpu  # noqa: E402
-from longdpo.training.run import exit_now  # noqa: E402
+from longdpo.train import exit_now  # noqa: E402
 
 TINY = ModelArgs(
     architecture=f"recipes/architectures/tiny_{os.environ.get('SP_FAMILY', 'mistral')}.json",
@@ -40,7 +40,7 @@ def main():
     dist.init_process_group("gloo")
     from trl import DPOConfig, DPOTrainer
 
-    from longdpo.data import load_preferences
+    from longdpo.data.loading import load_preferences
 
     pairs = int(os.environ.get("SP_PAIRS", "3"))  # 3 pairs = 6 sequences: below the micro-batch of 8 (padded)
     args = DPOConfig(

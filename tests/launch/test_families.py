@@ -96,7 +96,7 @@ def test_tied_embeddings_under_two_process_zero3_equal_one_process(tmp_path):
 def test_a_role_the_template_refuses_is_one_line_before_loading(tmp_path):
     """Mistral's template accepts user and assistant turns only: a system turn stops the run at start-up, quoted."""
     from longdpo.config import RecipeError
-    from longdpo.data import check_chat_template, load_preferences
+    from longdpo.data.loading import check_chat_template, load_preferences
     from longdpo.model.build import build_byte_tokenizer
 
     data = load_preferences([conversations(tmp_path / "chat.jsonl", system=True)])
@@ -109,7 +109,7 @@ def test_a_role_the_template_refuses_is_one_line_before_loading(tmp_path):
 
 
 def test_a_template_that_drops_a_role_is_a_warning_with_a_count(tmp_path):
-    from longdpo.data import check_chat_template, load_preferences
+    from longdpo.data.loading import check_chat_template, load_preferences
     from longdpo.model.build import build_byte_tokenizer
 
     data = load_preferences([conversations(tmp_path / "chat.jsonl", system=True)])
@@ -135,7 +135,7 @@ def test_conversations_without_a_chat_template_name_the_key(tmp_path, tiny_model
     json.dump(config, open(model / "tokenizer_config.json", "w"))
     (model / "chat_template.jinja").unlink(missing_ok=True)
     from longdpo.config import ModelArgs, RecipeError
-    from longdpo.data import check_chat_template, load_preferences
+    from longdpo.data.loading import check_chat_template, load_preferences
     from longdpo.model.build import load_tokenizer
 
     data = conversations(tmp_path / "chat.jsonl")
@@ -202,8 +202,8 @@ def test_a_family_outside_the_supported_ones_runs_plain_and_names_the_lever(tmp_
     recipe = load_recipe(TINY, parse_overrides([*base, "--memory.lean_norm", "true"]))
     with pytest.raises(
         RecipeError,
-        match=r"`memory.lean_norm` patches the decoder layers of mistral, llama, qwen2, "
-        r"qwen3 models .*this model is 'gpt2'",
+        match=r"`memory.lean_norm: true` patches the decoder layers of mistral \(Mistral\), llama \(Llama-3\), "
+        r"qwen2 \(Qwen2.5\), qwen3 \(Qwen3\) models; this model is 'gpt2': set `memory.lean_norm: false`",
     ):
         check_recipe(recipe, world_size=1, cuda_available=False)
     run_train(tmp_path / "ok", *base, "--memory.checkpointing", "layer")

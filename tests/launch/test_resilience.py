@@ -1,5 +1,5 @@
 """Long runs survive the cluster: save on a signal and resume the same curve, skip half-written checkpoints, check
-the disk before loading anything, stop on a non-finite loss (longdpo/cluster/resilience.py)."""
+the disk before loading anything, stop on a non-finite loss (longdpo/cluster/)."""
 
 import json
 import math
@@ -12,7 +12,8 @@ import time
 import pytest
 from conftest import BIN, FAULTS, ROOT, TINY, TRAIN, ZERO3, free_port, job_env, launch_command, run_train, summary
 
-from longdpo.cluster import resilience
+from longdpo import checks
+from longdpo.cluster import checkpoints, output_dir
 from longdpo.cluster.distributed import run_job
 from longdpo.config import RecipeError, load_recipe, parse_overrides
 from longdpo.planner.plan import checkpoint_bytes, checkpoints_kept
@@ -34,7 +35,7 @@ def steps_ran(out) -> list[int]:
 
 def test_every_saved_checkpoint_is_marked_complete(straight):
     for step in (2, 4, 6):
-        assert resilience.why_incomplete(os.path.join(straight, f"checkpoint-{step}")) is None
+        assert checkpoints.why_incomplete(os.path.join(straight, f"checkpoint-{step}")) is None
 
 
 def test_sigterm_saves_at_that_step_exits_75_and_resume_continues_the_curve(straight, tmp_path):
@@ -42,7 +43,7 @@ def test_sigterm_saves_at_that_step_exits_75_and_resume_continues_the_curve(stra
     assert proc.returncode == 75, proc.stdout[-3000:]
     assert "SIGTERM received: saved checkpoint-3 and stopped" in proc.stdout
     assert json.load(open(tmp_path / "preempted.json"))["step"] == 3
-    assert resilience.why_incomplete(str(tmp_path / "checkpoint-3")) is None
+    assert checkpoints.why_incomplete(str(tmp_path / "checkpoint-3")) is None
     assert not (tmp_path / "model.safetensors").exists()  # no final model: the run is not finished
     run_train(tmp_path, *ARGS, "--resume_from_checkpoint", "auto")
     assert steps_ran(tmp_path) == [1, 2, 3, 4, 5, 6]  # 1-3 before the signal, 4-6 after, none twice
@@ -62,7 +63,7 @@ def test_a_signal_while_the_models_load_stops_before_training_and_puts_an_overwr
     assert "SIGTERM received before training started: stopped with nothing trained or saved" in proc.stdout
     assert "the earlier run in output_dir is back in place" in proc.stdout
     after = {p: os.path.getsize(tmp_path / p) for p in os.listdir(tmp_path) if (tmp_path / p).is_file()}
-    assert after == before and not any(p.startswith(resilience.SET_ASIDE_PREFIX) for p in os.listdir(tmp_path))
+    assert after == before and not any(p.startswith(output_dir.SET_ASIDE_PREFIX) for p in os.listdir(tmp_path))
     assert steps_ran(tmp_path) == steps_ran(straight)  # the earlier run's records, no step of the stopped one
 
 
@@ -70,7 +71,7 @@ def test_half_written_checkpoint_is_skipped_and_kept(straight, tmp_path):
     for step in (2, 4, 6):
         shutil.copytree(straight / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
     half = tmp_path / "checkpoint-6"  # killed while saving: no weights, no trainer state, no completion record
-    for name in ("model.safetensors", "trainer_state.json", resilience.COMPLETE):
+    for name in ("model.safetensors", "trainer_state.json", checkpoints.COMPLETE):
         (half / name).unlink()
     proc = run_train(tmp_path, *ARGS, "--resume_from_checkpoint", str(half), check=False)
     assert proc.returncode == 2 and "is not complete (no completion record" in proc.stdout
@@ -96,27 +97,27 @@ def test_resuming_with_another_model_is_one_line_before_the_model_is_built(strai
     assert "Tokenizing train dataset" not in proc.stdout
     lora = load_recipe(TINY, parse_overrides(["--model.use_peft", "true"])).model
     with pytest.raises(RecipeError, match="holds a full fine-tuning run's weights, and this recipe sets `model.use"):
-        resilience.check_resume_model(str(tmp_path / "checkpoint-4"), lora)
+        checkpoints.check_resume_model(str(tmp_path / "checkpoint-4"), lora)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
 def test_an_output_dir_under_a_file_is_one_line_and_creates_nothing(tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(RecipeError, match="cannot be created: .*notes.txt is a file; set `output_dir` to a folder"):
-        resilience.check_output_dir(str(tmp_path / "notes.txt" / "run"), None, False)
+        output_dir.check_output_dir(str(tmp_path / "notes.txt" / "run"), None, False)
     with pytest.raises(RecipeError, match="is a file; set `output_dir` to a folder path"):
-        resilience.check_output_dir(str(tmp_path / "notes.txt"), None, False)
-    assert resilience.check_output_dir(str(tmp_path / "new" / "run"), None, False) == []
+        output_dir.check_output_dir(str(tmp_path / "notes.txt"), None, False)
+    assert output_dir.check_output_dir(str(tmp_path / "new" / "run"), None, False) == []
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
 
 
 def test_resuming_from_a_folder_that_does_not_exist_names_the_accepted_values(tmp_path):
     """`--resume_from_checkpoint maybe` (a typo of true/auto) used to read "Checkpoint maybe is not complete"."""
     with pytest.raises(RecipeError, match=r"maybe: no such folder; pass a checkpoint folder, `true` .* or `auto`"):
-        resilience.resolve_resume("maybe", str(tmp_path), True)
+        checkpoints.resolve_resume("maybe", str(tmp_path), True)
     (tmp_path / "a_file").write_text("")
     with pytest.raises(RecipeError, match="is not complete .it is not a folder"):
-        resilience.resolve_resume(str(tmp_path / "a_file"), str(tmp_path), True)
+        checkpoints.resolve_resume(str(tmp_path / "a_file"), str(tmp_path), True)
 
 
 def test_resume_true_without_a_complete_checkpoint_is_one_line(tmp_path):
@@ -134,7 +135,7 @@ def test_nan_loss_stops_at_that_step_and_names_the_last_checkpoint(tmp_path):
         f"{tmp_path / 'checkpoint-2'}`, e.g. with a lower learning_rate)."
     ]
     assert not (tmp_path / "checkpoint-3").exists() and not (tmp_path / "model.safetensors").exists()
-    assert resilience.why_incomplete(str(tmp_path / "checkpoint-2")) is None
+    assert checkpoints.why_incomplete(str(tmp_path / "checkpoint-2")) is None
 
 
 def same_weights(a, b) -> bool:
@@ -184,12 +185,12 @@ def test_disk_arithmetic(monkeypatch):
     assert checkpoints_kept({"max_steps": 100, "save_steps": 10, "save_total_limit": 2}) == 2
     assert checkpoints_kept({"max_steps": 100, "save_steps": 10}) == 10
     assert checkpoints_kept({"max_steps": 100, "save_steps": 0.25}) == 4
-    monkeypatch.setattr(resilience, "free_bytes", lambda output_dir: int(500e9))
-    assert resilience.check_disk("/tmp/x", one, 1, 2 * p) is None
-    warning = resilience.check_disk("/tmp/x", one, 3, 2 * p)
+    monkeypatch.setattr(checks, "free_bytes", lambda output_dir: int(500e9))
+    assert checks.disk_space("/tmp/x", one, 1, 2 * p) is None
+    warning = checks.disk_space("/tmp/x", one, 3, 2 * p)
     assert "3 checkpoint(s) of 220.5 GB" in warning and "lower `save_total_limit`" in warning
     with pytest.raises(RecipeError, match="one checkpoint needs 661.5 GB but /tmp/x has 500.0 GB"):
-        resilience.check_disk("/tmp/x", one * 3, 1, 0)
+        checks.disk_space("/tmp/x", one * 3, 1, 0)
 
 
 def test_zero3_sigusr1_saves_every_rank_at_one_step_and_resumes_the_curve(tmp_path):
@@ -225,7 +226,7 @@ def test_zero3_sigusr1_saves_every_rank_at_one_step_and_resumes_the_curve(tmp_pa
     assert json.load(open(cut / "preempted.json"))["step"] == 3
     shards = sorted(os.listdir(cut / "checkpoint-3" / "global_step3"))
     assert sum("optim_states" in name for name in shards) == 2  # both ranks' optimizer shards, complete
-    assert resilience.why_incomplete(str(cut / "checkpoint-3")) is None
+    assert checkpoints.why_incomplete(str(cut / "checkpoint-3")) is None
     damaged = tmp_path / "damaged"
     shutil.copytree(cut, damaged)
     assert launch(cut, "--resume_from_checkpoint", "auto").returncode == 0
@@ -234,7 +235,7 @@ def test_zero3_sigusr1_saves_every_rank_at_one_step_and_resumes_the_curve(tmp_pa
 
     shard = next(n for n in shards if "optim_states" in n and "rank_1" in n)
     (damaged / "checkpoint-3" / "global_step3" / shard).unlink()
-    assert resilience.why_incomplete(str(damaged / "checkpoint-3")) == f"global_step3/{shard} is missing"
+    assert checkpoints.why_incomplete(str(damaged / "checkpoint-3")) == f"global_step3/{shard} is missing"
     proc = launch(damaged, "--resume_from_checkpoint", "auto")
     assert proc.returncode == 0 and "moved aside to" in proc.stdout
     assert steps_ran(damaged)[-4:] == [3, 4, 5, 6]  # from checkpoint-2
@@ -244,10 +245,10 @@ def test_zero3_sigusr1_saves_every_rank_at_one_step_and_resumes_the_curve(tmp_pa
 def test_rotation_keeps_the_newest_complete_checkpoints_and_the_best(straight, tmp_path):
     for step in (2, 4, 6):
         shutil.copytree(straight / f"checkpoint-{step}", tmp_path / f"checkpoint-{step}")
-    (tmp_path / "checkpoint-6" / resilience.COMPLETE).unlink()  # incomplete: does not count, is not deleted
-    resilience.rotate(str(tmp_path), 1, best=str(tmp_path / "checkpoint-2"))
+    (tmp_path / "checkpoint-6" / checkpoints.COMPLETE).unlink()  # incomplete: does not count, is not deleted
+    checkpoints.rotate(str(tmp_path), 1, best=str(tmp_path / "checkpoint-2"))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    resilience.rotate(str(tmp_path), 1)
+    checkpoints.rotate(str(tmp_path), 1)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "checkpoint-6"]
 
 
@@ -332,7 +333,7 @@ def test_sigterm_to_the_launcher_command_saves_on_every_rank_and_leaves_no_proce
         os.killpg(proc.pid, signal.SIGKILL) if _alive_in_session(proc.pid) else None
     assert left == [], left
     marker = json.load(open(tmp_path / "preempted.json"))
-    assert resilience.why_incomplete(marker["checkpoint"]) is None
+    assert checkpoints.why_incomplete(marker["checkpoint"]) is None
     assert 2 <= marker["step"] < 100000 and marker["step"] == max(steps_ran(tmp_path))
     shards = os.listdir(os.path.join(marker["checkpoint"], f"global_step{marker['step']}"))
     assert sum("optim_states" in name for name in shards) == 2  # both ranks saved
@@ -373,25 +374,25 @@ def test_an_earlier_run_set_aside_goes_back_or_is_deleted(tmp_path):
     (tmp_path / "memory.jsonl").write_text("old")
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "events").write_text("old events")
-    names = resilience.check_output_dir(str(tmp_path), None, True)
+    names = output_dir.check_output_dir(str(tmp_path), None, True)
     assert names == ["checkpoint-2", "memory.jsonl", "runs"]
 
-    aside = resilience.set_aside_earlier_run(str(tmp_path), names)
-    assert resilience.earlier_run(str(tmp_path)) == [os.path.basename(aside)]  # a killed run's leftover counts
+    aside = output_dir.set_aside_earlier_run(str(tmp_path), names)
+    assert output_dir.earlier_run(str(tmp_path)) == [os.path.basename(aside)]  # a killed run's leftover counts
     (tmp_path / "runs").mkdir()  # what a stopped run may have made: an empty folder, and one record
     (tmp_path / "memory.jsonl").write_text("new")
-    resilience.put_back_earlier_run(aside)
+    output_dir.put_back_earlier_run(aside)
     assert (tmp_path / "checkpoint-2" / "w").read_text() == "old weights"
     assert (tmp_path / "runs" / "events").read_text() == "old events"
     assert (tmp_path / "memory.jsonl").read_text() == "new" and os.listdir(aside) == ["memory.jsonl"]
 
     (tmp_path / "memory.jsonl").unlink()
-    resilience.put_back_earlier_run(aside)
+    output_dir.put_back_earlier_run(aside)
     assert (tmp_path / "memory.jsonl").read_text() == "old" and not os.path.exists(aside)
 
-    aside = resilience.set_aside_earlier_run(str(tmp_path), resilience.earlier_run(str(tmp_path)))
-    resilience.delete_set_aside(aside)
-    assert os.listdir(tmp_path) == [] and resilience.set_aside_earlier_run(str(tmp_path), []) is None
+    aside = output_dir.set_aside_earlier_run(str(tmp_path), output_dir.earlier_run(str(tmp_path)))
+    output_dir.delete_set_aside(aside)
+    assert os.listdir(tmp_path) == [] and output_dir.set_aside_earlier_run(str(tmp_path), []) is None
 
 
 def test_a_used_output_dir_is_refused_unless_resumed_or_overwritten(straight, tmp_path):

@@ -11,7 +11,7 @@ import torch
 from conftest import BIN, ROOT, RUN_TIMEOUT_S, free_port, run_job, run_train, summary
 
 from longdpo.config import RecipeError
-from longdpo.model.sequence_parallel import check_sequence_parallel
+from longdpo.levers.sequence_parallel import check_sequence_parallel
 
 
 @pytest.fixture(scope="module", params=["mistral", "llama3", "qwen2_5", "qwen3"])  # every supported family
@@ -89,7 +89,7 @@ STEPS = [
 def zero3_runs(tmp_path_factory):
     one, two = tmp_path_factory.mktemp("sp1"), tmp_path_factory.mktemp("sp2")
     run_train(one, *STEPS, launcher="deepspeed", procs=1)
-    # sp2 also runs the lean LM-head backward (longdpo/model/lean_lm_head.py): on ZeRO-3's gathered head it must leave
+    # sp2 also runs the lean LM-head backward (longdpo/levers/lean_lm_head.py): on ZeRO-3's gathered head it must leave
     # the same gradients, so the sp1 run without it is the reference for both
     run_train(two, *STEPS, "--parallelism.sp_size", "2", "--memory.lean_lm_head", "true", launcher="deepspeed", procs=2)
     return one, two

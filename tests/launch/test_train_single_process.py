@@ -281,7 +281,8 @@ def test_shared_prompt_on_files_is_planned_on_the_measured_pairs(tmp_path):
     from conftest import TINY
 
     from longdpo.config import load_recipe, parse_cli
-    from longdpo.data import load_train_data, measured_for_plan
+    from longdpo.data.lengths import pair_lengths
+    from longdpo.data.loading import load_train_data
     from longdpo.model.build import load_tokenizer
     from longdpo.planner.plan import plan
 
@@ -289,7 +290,8 @@ def test_shared_prompt_on_files_is_planned_on_the_measured_pairs(tmp_path):
     run_train(tmp_path, *args, "--save_strategy", "no")
     cli = parse_cli(["--recipe", TINY, *args])
     recipe = load_recipe(cli["recipe"], cli["overrides"])
-    _, pair_tokens = measured_for_plan(recipe, load_tokenizer(recipe.model), load_train_data(recipe.data))
-    assert pair_tokens < 2 * recipe.trainer["max_length"]
-    expected = plan(recipe, 1, None, pair_tokens=pair_tokens).peak_reserved_gb
+    pairs = pair_lengths(load_tokenizer(recipe.model), load_train_data(recipe.data))
+    planned = plan(recipe, 1, None, pairs=pairs)
+    assert planned.terms.shared_rows and planned.terms.pair_tokens < 2 * recipe.trainer["max_length"]
+    expected = planned.peak_reserved_gb
     assert summary(tmp_path)["planner_predicted_reserved_gb"] == expected

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, run_train
 
 from longdpo.config import RecipeError
-from longdpo.model import allocator
+from longdpo.levers import allocator
 
 
 @pytest.mark.parametrize(
@@ -61,16 +61,15 @@ def test_apply_sets_both_variables_and_overrides_the_user():
 
 
 def test_entrypoint_applies_it_before_torch_is_imported():
-    """In a fresh process, the entrypoint's first step runs with torch not yet imported and CUDA not initialised."""
+    """In a fresh process, the entrypoint's first step (longdpo/train.py) runs with torch not yet imported and CUDA not
+    initialised: the allocator's lever module imports no other lever."""
     code = (
         "import os;"
-        "from longdpo.model import allocator;"
-        "from longdpo.config import parse_cli;"
+        "from longdpo.levers import allocator;"
+        "from longdpo.config import parse_cli, read_raw;"
         "cli = parse_cli(['--recipe', 'recipes/tiny_mistral/dpo_quickstart.yaml',"
         "                           '--memory.allocator_conf', 'max_split_size_mb:64']);"
-        "from longdpo.config import read_memory_section;"
-        "mem = read_memory_section(cli['recipe'], cli['overrides']);"
-        "rec = allocator.apply(mem.allocator_conf);"
+        "rec = allocator.apply_from_recipe(read_raw(cli['recipe'], cli['overrides']));"
         "import json; print(json.dumps({**rec, 'env': os.environ.get('PYTORCH_CUDA_ALLOC_CONF'),"
         "                               'env2': os.environ.get('PYTORCH_ALLOC_CONF')}))"
     )
@@ -85,7 +84,7 @@ def test_runtime_path_when_cuda_is_already_initialised():
     made, and a read-back that disagrees (what an H200 showed: results/gpu_2026-12-02_first) is a loud error."""
     code = """
 import json, torch, sys
-from longdpo.model import allocator
+from longdpo.levers import allocator
 from longdpo.config import RecipeError
 calls = []
 torch.cuda.is_initialized = lambda: True
@@ -133,18 +132,14 @@ def test_effective_setting_recorded_in_telemetry(tmp_path):
 
 def test_empty_cache_steps_runs_on_boundaries(tmp_path):
     """gc + empty_cache every N steps and micro-batches: counted through the callback's own hook points."""
-    from longdpo.config import MemoryArgs
-    from longdpo.training.callbacks import MemoryCallback
+    from longdpo.levers import Build, LeverSet, empty_cache
 
-    cb = MemoryCallback(
-        MemoryArgs(empty_cache_steps=2, empty_cache_microbatches=3, telemetry=False),
-        {"allocator_conf": None, "source": "default", "path": None},
-    )
-    import longdpo.training.callbacks as callbacks
-
+    build = Build()
+    empty_cache.LEVER.configure(LeverSet(empty_cache_steps=2, empty_cache_microbatches=3), build)
+    (cb,) = build.callbacks
     emptied = []
-    original = callbacks.empty_cache
-    callbacks.empty_cache = lambda: emptied.append("x")
+    original = empty_cache.empty_cache
+    empty_cache.empty_cache = lambda: emptied.append("x")
     try:
         from transformers import TrainerControl, TrainerState, TrainingArguments
 
@@ -152,10 +147,9 @@ def test_empty_cache_steps_runs_on_boundaries(tmp_path):
         state, control = TrainerState(), TrainerControl()
         for step in range(1, 5):  # 4 steps x 2 micro-batches = 8 micro-batches
             state.global_step = step
-            cb.on_step_begin(args, state, control)
             cb.on_substep_end(args, state, control)
             cb.on_step_end(args, state, control)
     finally:
-        callbacks.empty_cache = original
+        empty_cache.empty_cache = original
     # micro-batches 3 and 6 -> 2; steps 2 and 4 -> 2
     assert len(emptied) == 4

@@ -193,11 +193,14 @@ def test_help_prints_the_usage_and_exits_0():
     import dataclasses
 
     from longdpo.config import SECTIONS
+    from longdpo.levers import keys
 
-    for section, cls in SECTIONS.items():  # every key of ours, with its one-line documentation
-        for f in dataclasses.fields(cls):
-            line = next((x for x in proc.stdout.splitlines() if x.startswith(f"  {section}.{f.name} (")), "")
-            assert "): " in line, f"{section}.{f.name}"
+    ours = [f"{section}.{f.name}" for section, cls in SECTIONS.items() if cls for f in dataclasses.fields(cls)]
+    ours += [key.dotted for _, key in keys().values()]  # the levers' keys, declared with each lever
+    assert len(ours) > 50
+    for name in ours:  # every key of ours, with its one-line documentation
+        line = next((x for x in proc.stdout.splitlines() if x.startswith(f"  {name} (")), "")
+        assert "): " in line, name
 
 
 def test_invalid_deepspeed_json(tmp_path):
@@ -231,7 +234,7 @@ def test_yaml_no_means_the_word_no():
     ],
 )
 def test_bad_data_files(tmp_path, text, message):
-    from longdpo.data import load_preferences
+    from longdpo.data.loading import load_preferences
 
     f = tmp_path / "d.jsonl"
     f.write_text(text)
@@ -379,20 +382,25 @@ def test_liger_needs_its_package_and_keeps_trls_fused_head(monkeypatch):
     the Trainer is handed no Liger flag (the entrypoint applies it before our patches)."""
     import importlib.util
 
-    from longdpo.model import liger
+    from longdpo.checks import CheckContext
+    from longdpo.levers import Build, liger
+
+    def check(**trainer):
+        recipe = load_recipe(TINY, {"use_liger_kernel": True, **trainer})
+        liger.LEVER.check(recipe.levers, CheckContext(recipe, 1, cuda_available=True))
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "liger_kernel" else real(n, *a))
     with pytest.raises(RecipeError, match="requirements-gpu.txt"):
-        liger.check({"use_liger_kernel": True}, cuda_available=True)
+        check()
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "liger_kernel" else real(n, *a))
     with pytest.raises(RecipeError, match="fused_linear_cross_entropy"):
-        liger.check({"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}}, True)
-    liger.check({"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}}, cuda_available=True)
-    trainer = {"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}, "max_steps": 3}
-    assert liger.take(trainer) == {"swiglu": False, "fused_linear_cross_entropy": False, "cross_entropy": False}
-    assert trainer == {"max_steps": 3}
-    assert liger.take({"max_steps": 3}) is None
+        check(liger_kernel_config={"fused_linear_cross_entropy": True})
+    check(liger_kernel_config={"swiglu": False})
+    build = Build(trainer_kwargs={"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}, "max_steps": 3})
+    liger.LEVER.configure(load_recipe(TINY, {"use_liger_kernel": True}).levers, build)
+    assert build.state["liger"] == {"swiglu": False, "fused_linear_cross_entropy": False, "cross_entropy": False}
+    assert build.trainer_kwargs == {"max_steps": 3}  # the Trainer never applies Liger itself
 
 
 def test_more_processes_than_gpus_names_the_launcher_flag():
@@ -470,7 +478,8 @@ def test_prompt_tokens_are_counted_as_trl_drops_pairs(conversational):
     from trl import DPOConfig, DPOTrainer
 
     from longdpo.config import ModelArgs
-    from longdpo.data import load_preferences, prompt_tokens
+    from longdpo.data.lengths import prompt_tokens
+    from longdpo.data.loading import load_preferences
     from longdpo.model.build import build_byte_tokenizer, build_model
 
     raw = load_preferences([os.path.join(ROOT, "recipes", "data", "arithmetic_preferences.jsonl")])

@@ -6,8 +6,9 @@ from conftest import TINY_ARGS as TINY
 from conftest import loss_and_grads
 
 from longdpo.config import RecipeError
+from longdpo.levers import LeverSet, patch_policy
+from longdpo.levers.checkpointing import INNER, POLICIES, uses_layer_checkpoint
 from longdpo.model.build import build_model
-from longdpo.model.checkpointing import INNER, POLICIES, apply_memory_patches, uses_transformers_layer_checkpointing
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_lean_lm_head_changes_no_loss_or_gradient(dpo_batch, reference, monkeypa
     """The lean LM-head backward in place of TRL's, with the lean norms and MLP chunks: the tied head of Qwen2.5's
     small models gets the embedding's gradient plus the head's, as unpatched."""
     from longdpo import patches
-    from longdpo.model import lean_lm_head
+    from longdpo.levers import lean_lm_head
 
     calls = []
     backward = lean_lm_head.LeanLMHeadLogProb.backward
@@ -64,7 +65,7 @@ def test_lean_lm_head_changes_no_loss_or_gradient(dpo_batch, reference, monkeypa
         staticmethod(lambda ctx, *grads: calls.append(1) or backward(ctx, *grads)),
     )
     _, ref_loss, ref_grads, _ = reference
-    with patches.trl_log_prob_function(True):
+    with patches.trl_log_prob_function(lean_lm_head.LeanLMHeadLogProb):
         model, loss, grads, _ = loss_and_grads(dpo_batch, "layer", chunks=2, lean=True)
     assert calls  # the lean backward ran
     assert model.config.tie_word_embeddings == (model.config.model_type == "qwen2")
@@ -83,7 +84,7 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks)
     them."""
     model, _, _, wrapped = loss_and_grads(dpo_batch, policy, tiles, chunks)
     layer = model.model.layers[0]
-    nested = uses_transformers_layer_checkpointing(policy)
+    nested = uses_layer_checkpoint(policy)
     inner = INNER.get(policy.removeprefix("layer+"), ())
     expected = 3 if nested else 2
     targets = {
@@ -94,7 +95,7 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks)
     for kind in inner:
         for module in targets[kind]:
             last_or_outside = module is layer.mlp or module is model.model.norm
-            assert module.recipes_forward_calls == (2 if last_or_outside else expected), kind
+            assert module.forward_calls == (2 if last_or_outside else expected), kind
     n_layers = len(model.model.layers)
     expected_wrapped = {"norm": 2 * n_layers + 1, "attn": n_layers, "mlp": 0 if (tiles or chunks) else n_layers}
     for kind in ("norm", "attn", "mlp"):
@@ -102,14 +103,14 @@ def test_each_wrapped_module_really_recomputes(dpo_batch, policy, tiles, chunks)
     if tiles:
         # TiledMLP is an autograd.Function: it packs its saved input only after its forward returns, so the
         # layer's replay runs it fully before early stop.
-        assert layer.mlp.recipes_forward_calls == (3 if nested else 2) * tiles
+        assert layer.mlp.forward_calls == (3 if nested else 2) * tiles
         assert wrapped["tiled_mlp"] == len(model.model.layers)
     if chunks:
-        assert layer.mlp.recipes_forward_calls == 2 * chunks
+        assert layer.mlp.forward_calls == 2 * chunks
         assert wrapped["chunked_mlp"] == len(model.model.layers)
     unwrapped = [m for kind, ms in targets.items() if kind not in inner for m in ms]
     for module in unwrapped:
-        assert not hasattr(module, "recipes_forward_calls")
+        assert not hasattr(module, "forward_calls")
 
 
 def test_chunks_are_contiguous_token_blocks(dpo_batch):
@@ -137,7 +138,7 @@ def test_chunks_under_a_reentrant_layer_checkpoint_run_in_its_replay(dpo_batch, 
     gradient is still the unpatched one."""
     _, ref_loss, ref_grads, _ = reference
     model, loss, grads, _ = loss_and_grads(dpo_batch, policy, chunks=4, reentrant=True)
-    assert model.model.layers[0].mlp.recipes_forward_calls == 1 + 2 * 4
+    assert model.model.layers[0].mlp.forward_calls == 1 + 2 * 4
     assert torch.allclose(loss, ref_loss, atol=1e-6)
     for name, g in grads.items():
         assert torch.allclose(g, ref_grads[name], atol=1e-6), name
@@ -148,31 +149,24 @@ def test_patched_checkpoint_reloads_into_a_plain_model(tmp_path):
 
     patched = build_model(TINY)
     plain_keys = list(patched.state_dict())
-    apply_memory_patches(patched, "layer+norm_attn_mlp", tiled_mlp=2)
-    apply_memory_patches(patched, "none", mlp_chunks=2)
+    patch_policy(patched, LeverSet(checkpointing="layer+norm_attn_mlp", tiled_mlp=2))
+    patch_policy(patched, LeverSet(checkpointing="none", mlp_chunks=2))
     assert list(patched.state_dict()) == plain_keys  # forwards wrapped, names untouched
     patched.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert not hasattr(reloaded.model.layers[0].mlp, "recipes_forward_calls")
+    assert not hasattr(reloaded.model.layers[0].mlp, "forward_calls")
     for (name, a), b in zip(patched.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
 
 
 def test_unknown_policy_and_unsupported_model_are_clear_errors():
     with pytest.raises(RecipeError, match="Did you mean `norm_attn_mlp`"):
-        apply_memory_patches(build_model(TINY), "norm_atn_mlp")
+        patch_policy(build_model(TINY), LeverSet(checkpointing="norm_atn_mlp"))
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(RecipeError, match="support mistral, llama, qwen2, qwen3"):
-        apply_memory_patches(gpt2, "norm_attn")
-    assert apply_memory_patches(gpt2, "layer") == {
-        "norm": 0,
-        "attn": 0,
-        "mlp": 0,
-        "tiled_mlp": 0,
-        "chunked_mlp": 0,
-        "lean_norm": 0,
-    }
+    with pytest.raises(RecipeError, match=r"support mistral \(Mistral\), llama \(Llama-3\), qwen2 \(Qwen2.5\), qwen3"):
+        patch_policy(gpt2, LeverSet(checkpointing="norm_attn"))
+    assert not any(patch_policy(gpt2, LeverSet(checkpointing="layer")).values())  # nothing to patch: nothing wrapped
     with pytest.raises(RecipeError, match="Set one of `memory.tiled_mlp` and `memory.mlp_chunks`"):
-        apply_memory_patches(build_model(TINY), "layer", tiled_mlp=2, mlp_chunks=2)
+        patch_policy(build_model(TINY), LeverSet(mlp_chunks=2, tiled_mlp=2))

@@ -5,7 +5,9 @@ import json
 import datasets
 import pytest
 
-from longdpo.data import length_report, load_preferences, synthetic_pairs
+from longdpo.data.lengths import length_report
+from longdpo.data.loading import load_preferences
+from longdpo.data.synthetic import synthetic_pairs
 
 STANDARD = [{"prompt": f"q{i}", "chosen": f" good {i}", "rejected": f" bad {i}"} for i in range(6)]
 CONVERSATIONAL = [
@@ -66,7 +68,7 @@ def test_synthetic_pairs_have_exact_token_lengths():
     from trl import DPOConfig, DPOTrainer
 
     from longdpo.config import ModelArgs
-    from longdpo.data import WORKLOADS, workload
+    from longdpo.data.synthetic import WORKLOADS, workload
     from longdpo.model.build import build_byte_tokenizer, build_model
 
     model_args = ModelArgs(architecture="recipes/architectures/tiny_mistral.json", tokenizer="byte", dtype="float32")
@@ -116,8 +118,8 @@ def dataset_folder(root, name, rows_train, rows_test=0, cols=("question", "good"
 
 
 def data_args(**kw):
+    from longdpo.checks import check_data_args
     from longdpo.config import DataArgs
-    from longdpo.data import check_data_args
 
     args = DataArgs(**kw)
     check_data_args(args)
@@ -125,7 +127,7 @@ def data_args(**kw):
 
 
 def test_a_dataset_by_name_with_split_and_column_mapping(tmp_path):
-    from longdpo.data import load_eval_data, load_train_data
+    from longdpo.data.loading import load_eval_data, load_train_data
 
     name = dataset_folder(tmp_path, "prefs", 10, 3)
     args = data_args(
@@ -139,7 +141,7 @@ def test_a_dataset_by_name_with_split_and_column_mapping(tmp_path):
 def test_a_mixture_takes_each_sources_fraction_and_its_test_split(tmp_path):
     """alignment-handbook's dataset_mixer: the first fraction of each source's train rows, concatenated and shuffled;
     the test splits whole."""
-    from longdpo.data import load_eval_data, load_train_data
+    from longdpo.data.loading import load_eval_data, load_train_data
 
     mapping = {"prompt": "question", "chosen": "good", "rejected": "bad"}
     a = dataset_folder(tmp_path, "a", 10, 4)
@@ -187,7 +189,7 @@ def test_bad_data_sections_are_one_line_before_anything_is_read(kw, message):
 
 def test_a_mapped_column_that_is_not_there_names_the_columns_found(tmp_path):
     from longdpo.config import RecipeError
-    from longdpo.data import load_train_data
+    from longdpo.data.loading import load_train_data
 
     args = data_args(dataset_name=dataset_folder(tmp_path, "p", 3), columns={"prompt": "query"})
     with pytest.raises(RecipeError, match=r"maps from column\(s\) \['query'\] .*found \['question', 'good', 'bad'\]"):
@@ -198,7 +200,7 @@ def test_an_uncached_hub_dataset_offline_is_one_line(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     from longdpo.config import RecipeError
-    from longdpo.data import load_train_data
+    from longdpo.data.loading import load_train_data
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
@@ -247,7 +249,7 @@ def test_the_entrypoint_trains_on_a_mixture_and_evaluates_on_its_test_splits(tmp
 
 
 def test_truncation_is_a_warning_with_the_count_and_the_share_of_tokens_lost():
-    from longdpo.data import truncation_warning
+    from longdpo.data.lengths import truncation_warning
 
     tokenized = {"prompt_ids": [[1] * 3, [1] * 5], "chosen_ids": [[1] * 4, [1] * 1], "rejected_ids": [[1] * 2, [1] * 6]}
     report = length_report(tokenized, n_raw=2, max_length=8)  # 7 and 11 tokens: one pair loses 3 of 18 tokens

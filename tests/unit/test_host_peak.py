@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_memory_taken_and_given_back_within_a_step_is_its_peak(tmp_path):
-    cb = callbacks.MemoryCallback(MemoryArgs(), {"allocator_conf": None, "source": "default", "path": None})
+    cb = callbacks.MemoryCallback(MemoryArgs())
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     state, control = TrainerState(), TrainerControl()
     for step, taken in ((1, 400_000_000), (2, 0)):

@@ -5,8 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from trl.kernels import chunked_logprob as trl_kernel
 
-from longdpo import patches
-from longdpo.model import lean_lm_head
+from longdpo.levers import LeverSet, lean_lm_head
 
 
 def run(fn, hidden, weight, bias, targets, outputs):
@@ -75,9 +74,10 @@ def test_backward_never_builds_an_fp32_weight_sized_buffer(monkeypatch):
 def test_routed_swaps_trls_fused_head_only_inside_the_block():
     import trl.trainer.utils as trl_utils
 
-    with patches.trl_log_prob_function(False):
+    lever = lean_lm_head.LEVER
+    with lever.during_training(LeverSet(lean_lm_head=False), None):
         assert trl_utils._ChunkedLogProbFunction is lean_lm_head.HookSafeLogProb
-    with pytest.raises(RuntimeError), patches.trl_log_prob_function(True):
+    with pytest.raises(RuntimeError), lever.during_training(LeverSet(lean_lm_head=True), None):
         assert trl_utils._ChunkedLogProbFunction is lean_lm_head.LeanLMHeadLogProb
         raise RuntimeError("training failed")
     assert trl_utils._ChunkedLogProbFunction is trl_kernel.ChunkedLogProbFunction

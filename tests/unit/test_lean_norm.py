@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 
-from longdpo.model import lean_norm
+from longdpo.levers import lean_norm
 
 
 def pair(dtype):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY_ARGS
 
-from longdpo.model import offloading
+from longdpo.levers import offloading
 from longdpo.model.build import build_model
 
 

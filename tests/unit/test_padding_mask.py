@@ -1,4 +1,4 @@
-"""Right-padded pairs run without an attention mask (longdpo/model/padding_mask.py): on pairs whose chosen and rejected
+"""Right-padded pairs run without an attention mask (longdpo/levers/padding_mask.py): on pairs whose chosen and rejected
 differ in length, the loss, TRL's metrics and every gradient equal the masked path's, on every supported family;
 the attention really gets no mask; a batch that needs its mask keeps it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY, loss_and_grads, run_train, summary
 
-from longdpo.model import padding_mask
+from longdpo.levers import LeverSet, padding_mask
 
 
 def metrics_after(dpo_batch, **kwargs):
@@ -69,7 +69,7 @@ def test_right_padding_and_the_start_up_decision():
     config = build_model(__import__("conftest").TINY_ARGS).config
     assert padding_mask.decide("auto", config)[0] and not padding_mask.decide("keep", config)[0]
     with pytest.raises(Exception, match="`memory.padding_mask` must be auto or keep"):
-        padding_mask.check("off")
+        padding_mask.LEVER.check(LeverSet(padding_mask="off"), None)
 
 
 @pytest.mark.launcher

@@ -11,7 +11,8 @@ import pytest
 from conftest import FAULTS, ROOT, TINY, run_train
 from transformers import MistralConfig
 
-from longdpo.planner.plan import Setup, count_params, load_calibration, predict
+from longdpo.levers import LeverSet
+from longdpo.planner.plan import Setup, count_params, load_calibration, predict, tokens
 
 
 def test_parameter_count_of_the_12b_architecture_by_hand():
@@ -39,7 +40,7 @@ def test_zero3_arithmetic_by_hand():
         "hidden": 5120,
         "pinned_factor": 1.0,
         "allocator_factors": {},
-        "configs": {"stock": {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}},
+        "configs": {"layer": {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}},
     }
     p, layer, embed = 12_247_782_400, 272_640_000, 671_088_640
     s = Setup(
@@ -52,7 +53,7 @@ def test_zero3_arithmetic_by_hand():
         ranks=8,
         ranks_per_node=8,
         zero3=True,
-        config="stock",
+        levers=LeverSet(),
     )
     tokens = 2 * 12288
     states = 16 * p / 8  # bf16 param + bf16 grad + fp32 master, m, v, sharded 8 ways
@@ -87,21 +88,22 @@ def test_zero3_arithmetic_by_hand():
     )
     assert both.breakdown["reference_model"] == 0
     # activation offloading: nothing stored per layer on the GPU, pinned host memory instead
-    cal["configs"]["stock+offload"] = {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}
-    offl = predict(Setup(**{**s.__dict__, "config": "stock+offload"}), cal)
+    cal["configs"]["layer+offload"] = {"per_token_bytes": 100_000.0, "reserved_factor": 1.1}
+    offload = LeverSet(activation_offloading=True)
+    offl = predict(Setup(**{**s.__dict__, "levers": offload}), cal)
     assert offl.breakdown["activations_checkpointed"] == 0
     block = 2 ** math.ceil(math.log2(tokens * 5120 * 2))  # 251.7 MB -> 268.4 MB (pinned blocks are powers of two)
     assert offl.host_per_node_gb == round(40 * block * 8 / 1e9, 1)
-    pageable = predict(Setup(**{**s.__dict__, "config": "stock+offload", "offload_pinned": False}), cal)
+    pageable = predict(Setup(**{**s.__dict__, "levers": offload.replace(offload_pin_memory=False)}), cal)
     assert pageable.host_per_node_gb == round(40 * tokens * 5120 * 2 * 8 / 1e9, 1)  # exact sizes, not rounded up
     assert pageable.peak_allocated_gb == offl.peak_allocated_gb
     # what is saved after the last layer (E blocks), and each process's own resident memory
     more = {**cal, "offload_extra_blocks": 2.0, "host_process_gb": 3.0}
-    both_terms = predict(Setup(**{**s.__dict__, "config": "stock+offload", "offload_pinned": False}), more)
+    both_terms = predict(Setup(**{**s.__dict__, "levers": offload.replace(offload_pin_memory=False)}), more)
     assert both_terms.host_per_node_gb == round((42 * tokens * 5120 * 2 / 1e9 + 3.0) * 8, 1)
     # memory.offload_keep_layers: K layer inputs move from the host to the GPU
     kept = predict(
-        Setup(**{**s.__dict__, "config": "stock+offload", "offload_pinned": False, "offload_keep_layers": 3}), cal
+        Setup(**{**s.__dict__, "levers": offload.replace(offload_pin_memory=False, offload_keep_layers=3)}), cal
     )
     assert kept.host_per_node_gb == round(37 * tokens * 5120 * 2 * 8 / 1e9, 1)
     assert kept.breakdown["activations_checkpointed"] == round(3 * tokens * 5120 * 2 / 1e9, 2)
@@ -110,7 +112,7 @@ def test_zero3_arithmetic_by_hand():
 
 
 def test_every_committed_gpu_result_is_predicted_within_10_percent():
-    from longdpo.planner.calibration import measured_rows, setup_from_result
+    from gpu_results import measured_rows, setup_from_result
 
     rows = list(measured_rows())
     assert len(rows) >= 10
@@ -123,15 +125,15 @@ def test_every_committed_gpu_result_is_predicted_within_10_percent():
 def test_every_committed_shared_prompt_row_is_predicted_within_10_percent():
     """The planner is fitted on two-row runs; a shared-prompt run is planned as its shared rows (prompt + chosen +
     rejected + 1 tokens per pair) through the same per-token coefficients, and must land as close."""
-    from longdpo.planner.calibration import setup_from_result, shared_prompt_rows
+    from gpu_results import reshaped_rows, setup_from_result
 
-    rows = list(shared_prompt_rows())
+    rows = list(reshaped_rows())
     assert len(rows) >= 3
     cal, planned_shared = load_calibration(), 0
     for env, row, src in rows:
         setup = setup_from_result(env, row)
         # (a short-prompt row measured shared before data.shared_prompt_min_saving existed is planned as two rows)
-        planned_shared += bool(setup.pair_tokens) and setup.tokens < 2 * row["seq_tokens"]
+        planned_shared += bool(setup.pair_tokens) and tokens(setup) < 2 * row["seq_tokens"]
         predicted = predict(setup, cal).peak_reserved_gb
         assert abs(predicted / row["peak_reserved_gb"] - 1) <= 0.10, (src, row["workload"], predicted)
     assert planned_shared >= 2
@@ -140,10 +142,10 @@ def test_every_committed_shared_prompt_row_is_predicted_within_10_percent():
 def test_every_committed_row_of_pairs_that_pad_is_predicted_within_10_percent():
     """Fitted on equal pairs; pairs whose answers differ in length (unequal, long-prompt, half-prompt), shared or as
     two rows, with the mask dropped or kept, must land as close."""
-    from longdpo.planner.calibration import _benchmark_rows, setup_from_result
+    from gpu_results import benchmark_rows, setup_from_result
 
     cal, rows = load_calibration(), 0
-    for env, row, src in _benchmark_rows(os.path.join(ROOT, "results", "**", "results.json")):
+    for env, row, src in benchmark_rows():
         if row.get("workload", "equal") != "equal" and row.get("peak_reserved_gb") is not None:
             rows += 1
             predicted = predict(setup_from_result(env, row), cal).peak_reserved_gb
@@ -155,13 +157,14 @@ def test_trls_padding_mask_is_planned_on_pairs_that_pad():
     """The library-only setup keeps TRL's padding mask: on unequal pairs attention gets an explicit seq x seq mask
     per row, which the planner adds; it tells, before launch, that on the real path at 32k that setup fits an 80 GB
     H100 on equal pairs and not on unequal ones (measured: 82.39 GB reserved and done; out of memory in step 2)."""
-    from longdpo.planner.calibration import _benchmark_rows, setup_from_result
+    from gpu_results import benchmark_rows, setup_from_result
+
     from longdpo.planner.plan import suggest
 
     cal = load_calibration()
     unequal = [
         (env, row, src)
-        for env, row, src in _benchmark_rows(os.path.join(ROOT, "results", "**", "results.json"))
+        for env, row, src in benchmark_rows()
         if row.get("workload") == "unequal" and row["config"] == "stock+offload+liger"
     ]
     measured = [(env, row) for env, row, _ in unequal if row.get("peak_reserved_gb") is not None]
@@ -169,9 +172,10 @@ def test_trls_padding_mask_is_planned_on_pairs_that_pad():
     for env, row in measured:
         setup = setup_from_result(env, row)
         plan = predict(setup, cal)
-        assert setup.padding_mask and plan.breakdown["attention_mask_of_padded_pairs"] > 0
+        assert setup.pads and setup.levers.padding_mask == "keep"
+        assert plan.breakdown["attention_mask_of_padded_pairs"] > 0
     h100 = 81559 * 2**20 / 1e9
-    real_path = _benchmark_rows(os.path.join(ROOT, "results", "gpu_2026-12-06_real_path_32k", "results.json"))
+    real_path = benchmark_rows(os.path.join(ROOT, "results", "gpu_2026-12-06_real_path_32k", "results.json"))
     verdicts = {
         (row["config"], row["workload"]): predict(setup_from_result(env, row), cal, gpu_memory_gb=h100).fits
         for env, row, _ in real_path
@@ -207,27 +211,12 @@ def test_a_kept_padding_mask_is_planned_from_the_recipe_and_its_data():
     assert mask_gb("--data.synthetic", unequal + '"rejected_tokens": 10000}') == 0  # the recipe's auto
 
 
-# The 12B LoRA recipe, 40 layers, as each run read it (results/*/commands.txt, COMMAND.md): not fitted on
-LORA_12B = {
-    "gpu_2026-12-04_lora12b/ours_64k": ("gpu_acceptance/recipes_1991352", []),
-    "gpu_2026-12-04_lora12b/ours_128k": (
-        "gpu_acceptance/recipes_1991352",
-        ["--max_length", "131072", "--memory.offload_pin_memory", "false"]
-        + ["--data.synthetic", "{pairs: 4, seq_tokens: 131072, prompt_tokens: 4096}"],
-    ),
-    "gpu_2026-12-06_lora12b_128k_long_prompt_h100/lora128k_long": (  # the prompt once (data.shared_prompt)
-        "gpu_2026-12-06_lora12b_128k_long_prompt_h100",
-        ["--max_length", "131072"]
-        + ["--data.synthetic", '{"pairs": 4, "seq_tokens": 131072, "prompt_tokens": 117965, "rejected_tokens": 11796}'],
-    ),
-}
-
-
 def test_lora_runs_are_predicted_within_10_percent():
     """LoRA has its own coefficients, fitted on the acceptance suite's 1-2 layer LoRA runs; they must also predict
     the 40-layer runs of the 12B LoRA recipe (64k, 128k, 128k long-prompt with the shared prompt), which they were
     not fitted on: peak reserved on the GPU, and the host memory of the pinned offloading."""
-    from longdpo.planner.calibration import lora_rows, setup_from_argv
+    from gpu_results import lora_rows
+    from planner_predictions import LORA_12B, lora_12b_setup
 
     fitted = list(lora_rows())
     assert len(fitted) >= 2
@@ -235,15 +224,14 @@ def test_lora_runs_are_predicted_within_10_percent():
     for _env, row, src, s in fitted:
         assert "LoRA measurements" in predict(s, cal).calibrated_from
         assert abs(predict(s, cal).peak_reserved_gb / row["peak_reserved_gb"] - 1) <= 0.10, (src, row["run"])
-    for name, (recipes, args) in LORA_12B.items():
+    for name in LORA_12B:
         records = [json.loads(line) for line in open(os.path.join(ROOT, "results", name, "memory.jsonl"))]
-        recipe = os.path.join("results", recipes, "dpo_lora_64k.yaml")
-        setup = setup_from_argv(["python", "launch/train_dpo.py", "--recipe", recipe, *args])
+        setup = lora_12b_setup(name)
         assert setup.layers == 40 and setup.lora_params
         plan = predict(setup, cal)
         measured = max(r["peak_reserved_gb"] for r in records)
         assert abs(plan.peak_reserved_gb / measured - 1) <= 0.10, (name, plan.peak_reserved_gb, measured)
-        if setup.offload_pinned:  # pageable host memory is the kernel's to keep or drop: not a peak to hold
+        if setup.levers.offload_pin_memory:  # pageable host memory is the kernel's to keep or drop: not a peak to hold
             rss = max(r["host_rss_gb"] for r in records)
             assert abs(plan.host_per_node_gb / rss - 1) <= 0.10, (name, plan.host_per_node_gb, rss)
 
@@ -252,12 +240,17 @@ def test_host_memory_of_offloading_is_predicted_within_10_percent():
     """Pinned offloading: torch's pinned caching allocator keeps its blocks, so the process's RSS at a step's end is
     its host peak; every committed row that offloaded with pinned memory (per-rank emulation and the real path, 12k
     to 64k) is predicted within 10% of it (measured: -6.3% to +1.7%)."""
-    from longdpo.planner.calibration import measured_rows, setup_from_result
+    from gpu_results import measured_rows, setup_from_result
 
     cal, checked = load_calibration(), 0
     for env, row, src in measured_rows():
         s = setup_from_result(env, row)
-        if s.config.endswith("+offload") and s.offload_pinned and row.get("host_rss_gb") and row.get("offloaded_gb"):
+        if (
+            s.levers.activation_offloading
+            and s.levers.offload_pin_memory
+            and row.get("host_rss_gb")
+            and row.get("offloaded_gb")
+        ):
             per_rank = predict(s, cal).host_per_node_gb / s.ranks_per_node
             assert abs(per_rank / row["host_rss_gb"] - 1) <= 0.10, (src, row["config"], per_rank, row["host_rss_gb"])
             checked += 1
@@ -267,7 +260,7 @@ def test_host_memory_of_offloading_is_predicted_within_10_percent():
 def test_the_80_gb_real_path_run_is_predicted_to_fit():
     """Real ZeRO-3, 8 layers, 12,288 tokens, layer+lean+chunked3+head+offload measured 75.9 GB reserved under an
     80 GB cap; the planner once predicted 96.7 GB and preflight refused the run."""
-    from longdpo.planner.calibration import measured_rows, setup_from_result
+    from gpu_results import measured_rows, setup_from_result
 
     rows = [
         (env, row)
@@ -280,11 +273,28 @@ def test_the_80_gb_real_path_run_is_predicted_to_fit():
     assert plan.optimizer_peak_gb > plan.activation_peak_gb  # with 8 layers the optimizer step sets the peak
 
 
-def test_calibration_file_is_what_the_results_give():
-    """longdpo/planner/calibration.json is regenerated from results/, not edited by hand."""
-    from longdpo.planner.calibration import calibrate
+def test_the_planners_numbers_are_the_recorded_ones():
+    """Every committed GPU row (benchmark rows, acceptance runs, the 12B LoRA runs) and every shipped recipe on a few
+    machines, with the variants that reach each proposal, planned to the numbers recorded in
+    tests/unit/planner_predictions.json (first recorded from the planner as it was before the levers moved onto their
+    declarations: the move changed none). A change that moves one is deliberate: `python
+    tests/unit/planner_predictions.py` records the new ones."""
+    from planner_predictions import RECORDED, predictions
 
-    assert calibrate() == {k: v for k, v in load_calibration().items()}
+    with open(RECORDED) as f:
+        recorded = json.load(f)
+    now = predictions()
+    for part in recorded:
+        assert now[part].keys() == recorded[part].keys(), part
+        for key, numbers in recorded[part].items():
+            assert now[part][key] == numbers, (part, key)
+
+
+def test_calibration_file_is_what_the_results_give():
+    """longdpo/planner/calibration.json is refitted from results/ (tools/calibrate_planner.py), not edited by hand."""
+    from calibrate_planner import calibrate
+
+    assert calibrate() == load_calibration()
 
 
 def test_cli_verdicts(capsys, monkeypatch):
@@ -445,9 +455,9 @@ def test_sequence_parallel_divides_the_activations_not_the_model_states():
         ranks=8,
         ranks_per_node=8,
         zero3=True,
-        config="layer+norm_attn_mlp+offload",
+        levers=LeverSet.read("layer+norm_attn_mlp+offload"),
     )
-    sp8 = predict(Setup(**{**base.__dict__, "sp": 8}))
+    sp8 = predict(Setup(**{**base.__dict__, "levers": base.levers.replace(sp_size=8)}))
     short = predict(Setup(**{**base.__dict__, "seq": 16384}))
     whole = predict(base)
     assert sp8.breakdown == short.breakdown and sp8.host_per_node_gb == short.host_per_node_gb
@@ -457,9 +467,9 @@ def test_sequence_parallel_divides_the_activations_not_the_model_states():
     assert "sequence parallel 8" in sp8.calibrated_from
     from longdpo.planner.plan import model_flops_per_step
 
-    assert model_flops_per_step(Setup(**{**base.__dict__, "sp": 8}), 4096) == pytest.approx(
-        model_flops_per_step(base, 4096) / 8
-    )
+    assert model_flops_per_step(
+        Setup(**{**base.__dict__, "levers": base.levers.replace(sp_size=8)}), 4096
+    ) == pytest.approx(model_flops_per_step(base, 4096) / 8)
 
 
 def test_shipped_128k_recipe_is_planned_per_rank():
@@ -534,7 +544,7 @@ def test_when_no_single_change_fits_the_cheapest_pairs_are_suggested():
 def test_zero3_on_one_gpu_suggests_one_process_without_deepspeed():
     from dataclasses import replace
 
-    from longdpo.planner.plan import _candidates
+    from longdpo.planner.plan import _proposals
 
     s = Setup(
         params=12_247_782_400,
@@ -545,10 +555,10 @@ def test_zero3_on_one_gpu_suggests_one_process_without_deepspeed():
         seq=4096,
         zero3=True,
     )
-    changes = dict(_candidates(s))
+    changes = {change: alt for _, _, change, alt in _proposals(s, predict)}
     alt = changes["one process without DeepSpeed (`python launch/train_dpo.py`)"]
     assert alt == replace(s, zero3=False)
-    assert not any("without DeepSpeed" in c for c, _ in _candidates(replace(s, ranks=8)))
+    assert not any("without DeepSpeed" in c for _, _, c, _ in _proposals(replace(s, ranks=8), predict))
 
 
 def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
@@ -557,9 +567,10 @@ def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
     import json as _json
 
     from longdpo.config import RecipeError, load_recipe, parse_overrides
-    from longdpo.data import load_train_data, longest_pair
+    from longdpo.data.lengths import pair_lengths
+    from longdpo.data.loading import load_train_data
     from longdpo.model.build import load_tokenizer
-    from longdpo.planner.plan import plan, planned_length, setup_from_recipe
+    from longdpo.planner.plan import needs_pairs, plan, planned_length, setup_from_recipe
 
     rows = [
         {"prompt": "q" * 40, "chosen": "a" * 3000, "rejected": "b" * 10},
@@ -570,11 +581,13 @@ def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
     recipe = load_recipe(TINY, parse_overrides(["--max_length", "null", "--data.train_files", f"[{data}]"]))
     with pytest.raises(RecipeError, match="longest pair, which needs the data"):
         planned_length(recipe)
-    longest = longest_pair(load_tokenizer(recipe.model), load_train_data(recipe.data))
-    assert longest == 40 + 3000 + 1  # byte tokens: prompt, the longer completion, EOS
-    assert setup_from_recipe(recipe, 1, seq=longest).seq == longest
+    assert needs_pairs(recipe)
+    pairs = pair_lengths(load_tokenizer(recipe.model), load_train_data(recipe.data))
+    assert pairs == [(40, 3001, 11), (1, 2, 2)]  # byte tokens: prompt, completions with their EOS
+    longest = 40 + 3000 + 1
+    assert setup_from_recipe(recipe, 1, pairs=pairs).seq == longest
     at_default = plan(load_recipe(TINY, parse_overrides(["--data.train_files", f"[{data}]"])), 1, None)
-    assert plan(recipe, 1, None, seq=longest).peak_allocated_gb > at_default.peak_allocated_gb  # 3041 > 1024 tokens
+    assert plan(recipe, 1, None, pairs=pairs).peak_allocated_gb > at_default.peak_allocated_gb  # 3041 > 1024 tokens
     synthetic = load_recipe(
         TINY,
         parse_overrides(
@@ -599,9 +612,10 @@ def test_shared_prompt_on_files_plans_the_costliest_pair_measured(tmp_path, caps
 
     from launch.plan_memory import main
     from longdpo.config import load_recipe, parse_overrides
-    from longdpo.data import load_train_data, measured_for_plan, plan_on_data
+    from longdpo.data.lengths import pair_lengths
+    from longdpo.data.loading import load_train_data
     from longdpo.model.build import load_tokenizer
-    from longdpo.planner.plan import setup_from_recipe
+    from longdpo.planner.plan import needs_pairs, setup_from_recipe
 
     rows = [
         {"prompt": "d" * 900, "chosen": "a" * 60, "rejected": "b" * 30},  # cut to 512: P 512, C = R = 0 + EOS... cut
@@ -612,17 +626,18 @@ def test_shared_prompt_on_files_plans_the_costliest_pair_measured(tmp_path, caps
     data.write_text("".join(_json.dumps(r) + "\n" for r in rows))
     args = ["--max_length", "512", "--data.train_files", f"[{data}]", "--per_device_train_batch_size", "1"]
     recipe = load_recipe(TINY, parse_overrides([*args, "--data.shared_prompt", "true"]))
-    assert plan_on_data(recipe) and not plan_on_data(load_recipe(TINY, parse_overrides(args)))
-    seq, pair_tokens = measured_for_plan(recipe, load_tokenizer(recipe.model), load_train_data(recipe.data))
-    assert (seq, pair_tokens) == (None, 404)  # the first pair's prompt fills max_length: TRL drops it
-    setup = setup_from_recipe(recipe, 1, pair_tokens=pair_tokens)
-    assert setup.tokens == 404 < 2 * 512
+    assert needs_pairs(recipe) and not needs_pairs(load_recipe(TINY, parse_overrides(args)))
+    pairs = pair_lengths(load_tokenizer(recipe.model), load_train_data(recipe.data))
+    setup = setup_from_recipe(recipe, 1, pairs=pairs)
+    assert setup.seq == 512 and setup.pair_tokens == 404  # the first pair's prompt fills max_length: TRL drops it
+    assert tokens(setup) == 404 < 2 * 512
     assert main(["--recipe", TINY, "--gpus", "1", *args, "--data.shared_prompt", "true"]) == 0
     assert "the costliest pair puts 404 tokens through the model" in capsys.readouterr().out
     fewer = load_recipe(TINY, parse_overrides([*args, "--data.shared_prompt", "true"]))
     fewer.data.train_files = [str(tmp_path / "two.jsonl")]
     (tmp_path / "two.jsonl").write_text("".join(_json.dumps(r) + "\n" for r in rows[:2]))
-    assert measured_for_plan(fewer, load_tokenizer(recipe.model), load_train_data(fewer.data))[1] == 373
+    pairs = pair_lengths(load_tokenizer(recipe.model), load_train_data(fewer.data))
+    assert setup_from_recipe(fewer, 1, pairs=pairs).pair_tokens == 373
 
 
 def test_shared_prompt_plans_one_row_per_pair():
@@ -630,7 +645,7 @@ def test_shared_prompt_plans_one_row_per_pair():
     activations of prompt + chosen + rejected + 1 tokens instead of two rows of prompt + chosen; short-prompt pairs
     (saving less than data.shared_prompt_min_saving) run, and are planned, as TRL's two rows."""
     from longdpo.config import load_recipe, parse_overrides
-    from longdpo.data import workload
+    from longdpo.data.synthetic import workload
     from longdpo.planner.plan import setup_from_recipe
 
     spec = workload("long-prompt", 65536, 4)
@@ -638,13 +653,13 @@ def test_shared_prompt_plans_one_row_per_pair():
     args = ["--data.synthetic", json.dumps(spec), "--max_length", "65536"]
     rows = setup_from_recipe(load_recipe(path, parse_overrides([*args, "--data.shared_prompt", "false"])), gpus=8)
     shared = setup_from_recipe(load_recipe(path, parse_overrides([*args, "--data.shared_prompt", "true"])), gpus=8)
-    assert rows.tokens == 2 * 65536
-    assert shared.tokens == 65536 + spec["rejected_tokens"] + 1
+    assert tokens(rows) == 2 * 65536
+    assert tokens(shared) == 65536 + spec["rejected_tokens"] + 1
     a, b = predict(rows), predict(shared)
-    ratio = shared.tokens / rows.tokens
+    ratio = tokens(shared) / tokens(rows)
     per_token = "activations_peak_layer_and_lm_head"
     assert b.breakdown[per_token] == pytest.approx(ratio * a.breakdown[per_token], rel=1e-3)
     assert b.breakdown["model_states"] == a.breakdown["model_states"]
     short = ["--data.synthetic", json.dumps(workload("equal", 65536, 4)), "--max_length", "65536"]
     short = load_recipe(path, parse_overrides([*short, "--data.shared_prompt", "true"]))
-    assert setup_from_recipe(short, gpus=8).tokens == 2 * 65536
+    assert tokens(setup_from_recipe(short, gpus=8)) == 2 * 65536

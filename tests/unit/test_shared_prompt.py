@@ -1,4 +1,4 @@
-"""Each pair's prompt computed once (longdpo/model/shared_prompt.py): on every supported family, float32, the loss,
+"""Each pair's prompt computed once (longdpo/levers/shared_prompt.py): on every supported family, float32, the loss,
 TRL's metrics and every parameter gradient equal TRL's two-row path, on pairs whose completions differ in length,
 with prompts of one token, and under the memory levers."""
 
@@ -8,7 +8,7 @@ from conftest import loss_and_grads
 from test_padding_mask import metrics_after
 
 from longdpo.checks import trl_loss_types
-from longdpo.model import shared_prompt
+from longdpo.levers import shared_prompt
 
 
 def assert_same(dpo_batch, atol=1e-6, **levers):
@@ -38,9 +38,9 @@ def spy_on_forward(dpo_batch, min_saving):
     seen, layouts = [], []
     real = shared_prompt.shared_attention
 
-    def spy(*args, shared_prompt=None, **kwargs):
-        layouts.append(shared_prompt)
-        return real(*args, shared_prompt=shared_prompt, **kwargs)
+    def spy(*args, row_layout=None, **kwargs):
+        layouts.append(row_layout)
+        return real(*args, row_layout=row_layout, **kwargs)
 
     from transformers import AttentionInterface
 
@@ -53,7 +53,7 @@ def spy_on_forward(dpo_batch, min_saving):
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(model)
-        shared_prompt.use_shared_attention(model)
+        model.set_attn_implementation(shared_prompt.NAME)
         counts = shared_prompt.wrap(model, min_saving)
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
         with torch.no_grad():
@@ -144,7 +144,7 @@ def test_a_batch_that_saves_too_little_runs_as_trls_rows(dpo_batch):
 def mistral_batch():
     from conftest import FAMILIES, make_dpo_batch
 
-    from longdpo.data import load_preferences
+    from longdpo.data.loading import load_preferences
 
     return make_dpo_batch(FAMILIES["mistral"], load_preferences(["recipes/data/arithmetic_preferences.jsonl"]), 4, 128)
 
@@ -168,13 +168,22 @@ def test_every_loss_type_trl_offers(mistral_batch, loss_type):
 
 
 def test_bad_settings_are_one_clear_line():
+    from types import SimpleNamespace
+
+    from longdpo.levers import LeverSet
+
+    def check(shared, min_saving, padding_free, padding_mask):
+        ctx = SimpleNamespace(recipe=SimpleNamespace(trainer={"padding_free": padding_free}))
+        settings = LeverSet(shared_prompt=shared, shared_prompt_min_saving=min_saving, padding_mask=padding_mask)
+        shared_prompt.LEVER.check(settings, ctx)
+
     with pytest.raises(Exception, match="`data.shared_prompt` must be true or false"):
-        shared_prompt.check("yes", 0.2, False, "auto")
+        check("yes", 0.2, False, "auto")
     for bad in (1, -0.1, "0.2", True):
         with pytest.raises(Exception, match="`data.shared_prompt_min_saving` must be a fraction in"):
-            shared_prompt.check(True, bad, False, "auto")
+            check(True, bad, False, "auto")
     with pytest.raises(Exception, match="set `padding_free: false`"):
-        shared_prompt.check(True, 0.2, True, "auto")
+        check(True, 0.2, True, "auto")
     with pytest.raises(Exception, match="set `memory.padding_mask: auto`"):
-        shared_prompt.check(True, 0.2, False, "keep")
-    shared_prompt.check(False, 0, True, "keep")
+        check(True, 0.2, False, "keep")
+    check(False, 0, True, "keep")

@@ -280,7 +280,7 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     assert "| forward:attention |" in (tmp_path / "profiles" / "layer-norm_attn_mlp_48.md").read_text()
     with gzip.open(tmp_path / "profiles" / "layer-norm_attn_mlp_48.trace.json.gz", "rt") as f:  # the whole trace
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
-    assert {"recipes:forward:attention", "recipes:recompute:mlp"} <= names
+    assert {"longdpo:forward:attention", "longdpo:recompute:mlp"} <= names
     from tools import analyze_trace
 
     with pytest.raises(SystemExit, match="holds no GPU kernels"):  # a CPU run's trace: one clear line
@@ -318,6 +318,7 @@ def test_bench_run_past_its_timeout_is_a_row_not_a_crash(tmp_path):
 
 
 def test_model_flops_and_mfu_by_hand():
+    from longdpo.levers import LeverSet
     from longdpo.planner.plan import Setup, model_flops_per_step
     from tools.bench_memory import add_mfu
 
@@ -342,7 +343,7 @@ def test_model_flops_and_mfu_by_hand():
     rows = 2 * 800 * (16 + 10) + 2 * 2 * (16**2 + 10**2) * 8
     assert model_flops_per_step(s, 8, pair=(4, 12, 6)) == 4 * rows
     # one shared row [P, C, R]: 22 tokens; R's 6 queries see the prompt's 4 keys and, causally, their own 6
-    shared = Setup(**{**s.__dict__, "pair_tokens": 4 + 12 + 6 + 1})
+    shared = Setup(**{**s.__dict__, "levers": LeverSet(shared_prompt=True), "pair_tokens": 4 + 12 + 6 + 1})
     pairs = 16**2 / 2 + 6 * 4 + 6**2 / 2  # (query, key) pairs: causal over [P, C], then R
     assert model_flops_per_step(shared, 8, pair=(4, 12, 6)) == 4 * (2 * 800 * 22 + 2 * 4 * pairs * 8)
     # the benchmark reads the pair from the row's command: an unequal row gets its MFU, from its real tokens
@@ -425,9 +426,9 @@ def test_merge_of_committed_results(tmp_path):
 
 
 def test_imports_go_one_way():
-    """recipes/ is the library: it imports neither the entrypoints (launch/) nor the measurement tools (tools/), and
+    """longdpo/ is the library: it imports neither the entrypoints (launch/) nor the measurement tools (tools/), and
     the tools and entrypoints import each other not at all, so the benchmark, the planner and training share their
-    pieces through recipes/ only."""
+    pieces through longdpo/ only."""
     import ast
 
     def imported(path):
@@ -436,9 +437,12 @@ def test_imports_go_one_way():
         names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
         return {n.split(".")[0] for n in names}
 
-    for package, banned in (("recipes", {"launch", "tools"}), ("launch", {"tools"}), ("tools", {"launch"})):
-        for path in glob.glob(os.path.join(ROOT, package, "*.py")):
+    checked = 0
+    for package, banned in (("longdpo", {"launch", "tools"}), ("launch", {"tools"}), ("tools", {"launch"})):
+        for path in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True):
             assert not imported(path) & banned, f"{os.path.relpath(path, ROOT)} imports {imported(path) & banned}"
+            checked += 1
+    assert checked > 40
 
 
 def test_trace_overlap_by_row_and_stream(tmp_path):
@@ -451,9 +455,9 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
         return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
     events = [
-        x("user_annotation", "recipes:forward:attention", 1, 0, 100),
-        x("user_annotation", "recipes:forward:norm", 1, 10, 40),  # nested: the innermost label wins
-        x("user_annotation", "recipes:forward:mlp", 1, 100, 100),
+        x("user_annotation", "longdpo:forward:attention", 1, 0, 100),
+        x("user_annotation", "longdpo:forward:norm", 1, 10, 40),  # nested: the innermost label wins
+        x("user_annotation", "longdpo:forward:mlp", 1, 100, 100),
         x("cuda_runtime", "cudaLaunchKernel", 1, 20, 1, correlation=1),
         x("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
         x("cuda_runtime", "cudaLaunchKernel", 1, 150, 1, correlation=3),

@@ -26,7 +26,7 @@ with `position_ids` and pre-shifted `shift_labels`, and puts every per-token out
 where the label is -100 as TRL's head does. TRL computes the loss, the rewards and every metric on the same tensors as
 without sharing, for every loss type and `ld_alpha`.
 
-Under sequence parallelism (longdpo/model/sequence_parallel.py) this wrapper calls the sequence-parallel one, which
+Under sequence parallelism (longdpo/levers/sequence_parallel.py) this wrapper calls the sequence-parallel one, which
 splits the shared rows over the group's ranks; Ulysses' all-to-all gives this attention whole rows for a share of the
 heads, so the layout holds as it is.
 
@@ -34,7 +34,7 @@ The attention is registered through transformers' attention interface (`NAME`); 
 Both calls are PyTorch's scaled_dot_product_attention: the first with `is_causal` (cuDNN or flash on Hopper), the
 second with `causal_lower_right` (flash or memory-efficient). Called without a layout (a model used outside DPO's
 forward), it is causal attention over the whole row, TRL's right-padded batch without its mask
-(longdpo/model/padding_mask.py).
+(longdpo/levers/padding_mask.py).
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from trl.trainer.utils import FusedCausalLMOutput
 
-from longdpo.config import RecipeError, is_number
+from longdpo.config import RecipeError, is_number, trainer_default
+from longdpo.levers import Key, Lever
 
 NAME = "longdpo_shared_prompt"
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
@@ -53,13 +55,14 @@ FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", 
 PASSED_THROUGH = {"use_cache", "output_router_logits"}
 
 
-def shared_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, shared_prompt=None, **kw):
-    """query (batch, heads, seq, dim), key/value (batch, kv_heads, seq, dim) -> (batch, seq, heads, dim)."""
-    if shared_prompt is None:
+def shared_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, row_layout=None, **kw):
+    """query (batch, heads, seq, dim), key/value (batch, kv_heads, seq, dim) -> (batch, seq, heads, dim).
+    `row_layout`: (prompt, chosen, rejected, x) per row, passed through the model's forward by `wrap`."""
+    if row_layout is None:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     groups = getattr(module, "num_key_value_groups", 1)
-    for row, (p, c, r, x) in enumerate(shared_prompt):
+    for row, (p, c, r, x) in enumerate(row_layout):
         head, end = p + c, p + c + x + r
         q, k, v = query[row : row + 1], key[row : row + 1], value[row : row + 1]
         if head:
@@ -85,23 +88,16 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register(NAME, shared_attention)
 
 
-def check(shared: bool, min_saving, padding_free: bool, padding_mask: str) -> None:
-    if not isinstance(shared, bool):
-        raise RecipeError(f"`data.shared_prompt` must be true or false, got {shared!r}.")
-    if not is_number(min_saving) or not 0 <= min_saving < 1:
-        raise RecipeError(
-            f"`data.shared_prompt_min_saving` must be a fraction in [0, 1) (e.g. 0.2), got {min_saving!r}."
-        )
-    if shared and padding_mask == "keep":
-        raise RecipeError(
-            "`data.shared_prompt: true` runs attention without TRL's padding mask (the shared rows need none): set "
-            "`memory.padding_mask: auto` or `data.shared_prompt: false`."
-        )
-    if shared and padding_free:
-        raise RecipeError(
-            "`data.shared_prompt: true` builds its own rows from padded pairs: set `padding_free: false` or "
-            "`data.shared_prompt: false`."
-        )
+def row_tokens(prompt: int, chosen: int, rejected: int) -> int:
+    """The tokens of one pair's shared row: [prompt, chosen, x, rejected], x a copy of the prompt's last token."""
+    return prompt + chosen + rejected + int(prompt > 0)
+
+
+def tokens_of_pair(prompt: int, chosen: int, rejected: int, min_saving: float) -> int:
+    """The tokens one pair puts through the model: its shared row where that saves `min_saving` of TRL's two rows
+    (2 x (prompt + the longer completion)), else those two rows (the choice `wrap` makes per batch)."""
+    two_rows, shared = 2 * (prompt + max(chosen, rejected)), row_tokens(prompt, chosen, rejected)
+    return shared if 1 - shared / two_rows >= min_saving else two_rows
 
 
 def layout(input_ids, attention_mask, labels):
@@ -124,7 +120,7 @@ def layout(input_ids, attention_mask, labels):
 def saving(pairs, length: int) -> float:
     """The share of the tokens of TRL's rows (2 per pair, `length` each) that the shared rows (one per pair, padded to
     the longest) do without."""
-    width = max(p + c + x + r for p, c, r, x in pairs)
+    width = max(row_tokens(p, c, r) for p, c, r, _ in pairs)
     return 1 - width / (2 * length)
 
 
@@ -166,8 +162,6 @@ def scatter_back(shared: torch.Tensor | None, pairs, length: int) -> torch.Tenso
 def wrap(model: torch.nn.Module, min_saving: float = 0.0) -> dict:
     """Wrap `model.forward` (TRL's fused-LM-head forward; a DeepSpeed engine's module) to run each pair as one row
     when that saves at least `min_saving` of the tokens. Returns the counts of forwards run shared and as TRL's rows."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
     model = getattr(model, "module", model)
     fused = model.forward
     counts = {"shared": 0, "two_rows": 0}
@@ -190,7 +184,7 @@ def wrap(model: torch.nn.Module, min_saving: float = 0.0) -> dict:
             position_ids=positions,
             shift_labels=targets,
             fused_lm_head=True,
-            shared_prompt=pairs,
+            row_layout=pairs,
             **kwargs,
         )
         fields = {f: scatter_back(getattr(out, f), pairs, input_ids.shape[1]) for f in FIELDS}
@@ -201,7 +195,120 @@ def wrap(model: torch.nn.Module, min_saving: float = 0.0) -> dict:
     return counts
 
 
-def use_shared_attention(model: torch.nn.Module | None) -> None:
-    """Route the model's attention through `shared_attention` (before the trainer wraps it)."""
-    if model is not None:
-        model.set_attn_implementation(NAME)
+def _one_pair_per_batch(recipe) -> bool:
+    """Each batch's tokens are one pair's (with more pairs, the batch's decision and padding depend on which pairs
+    meet, and the plan keeps TRL's two rows, an upper bound)."""
+    return recipe.trainer.get("per_device_train_batch_size", trainer_default("per_device_train_batch_size")) == 1
+
+
+class SharedPrompt(Lever):
+    name = "shared_prompt"
+    order = 80
+    tokens = ("shared",)
+    keys = (
+        Key(
+            "shared_prompt",
+            bool,
+            False,
+            "train each pair as one sequence [prompt, chosen, rejected], the prompt computed once for the policy and "
+            "the reference (the same loss and gradients). Saves most where the prompt is most of the pair (long "
+            "documents, long conversations).",
+            section="data",
+        ),
+        Key(
+            "shared_prompt_min_saving",
+            float,
+            0.2,
+            "with `shared_prompt`, a batch runs shared only when that saves at least this share of the tokens of "
+            "TRL's two rows per pair (about half the prompt's share of the pair); other batches run as TRL's rows. "
+            "Where the prompt is short, sharing costs more time than it saves.",
+            section="data",
+        ),
+    )
+
+    def check(self, s, ctx):
+        if not isinstance(s.shared_prompt, bool):
+            raise RecipeError(f"`data.shared_prompt` must be true or false, got {s.shared_prompt!r}.")
+        saving_wanted = s.shared_prompt_min_saving
+        if not is_number(saving_wanted) or not 0 <= saving_wanted < 1:
+            raise RecipeError(
+                f"`data.shared_prompt_min_saving` must be a fraction in [0, 1) (e.g. 0.2), got {saving_wanted!r}."
+            )
+        if s.shared_prompt and s.padding_mask == "keep":
+            raise RecipeError(
+                "`data.shared_prompt: true` runs attention without TRL's padding mask (the shared rows need none): "
+                "set `memory.padding_mask: auto` or `data.shared_prompt: false`."
+            )
+        if s.shared_prompt and ctx.recipe.trainer.get("padding_free"):
+            raise RecipeError(
+                "`data.shared_prompt: true` builds its own rows from padded pairs: set `padding_free: false` or "
+                "`data.shared_prompt: false`."
+            )
+
+    def reshapes_pairs(self, s):
+        return s.shared_prompt
+
+    def configure(self, s, build):
+        if s.shared_prompt:
+            build.rows_per_pair = 1
+            build.core_attention = NAME  # the models are built with it; sequence parallelism wraps it
+            build.messages.append(
+                "attention: each pair's prompt computed once (data.shared_prompt): one sequence [prompt, chosen, "
+                "rejected] per pair, PyTorch's SDPA in two calls"
+            )
+
+    def wrap_trainer(self, s, trainer, build):
+        if not s.shared_prompt:
+            return
+        # TRL's fused-LM-head forwards (LoRA's reference pass is the policy's)
+        build.state["shared_prompt"] = wrap(trainer.model, s.shared_prompt_min_saving)
+        if trainer.ref_model is not None:
+            wrap(trainer.ref_model, s.shared_prompt_min_saving)
+
+    def report_lines(self, s, report: dict) -> list[str]:
+        if not s.shared_prompt:
+            return []
+        return [
+            f"shared prompt: {100 * report['shared_prompt_saves']:.0f}% fewer tokens through the model than TRL's "
+            f"two rows per pair; a batch that saves less than {100 * s.shared_prompt_min_saving:.0f}% runs as TRL's "
+            "rows (data.shared_prompt_min_saving)"
+        ]
+
+    def summary(self, s, build) -> dict:
+        # the policy's forwards (with LoRA the reference's too) run as shared rows and as TRL's two rows
+        return {"shared_prompt": s.shared_prompt, "shared_prompt_forwards": build.state.get("shared_prompt")}
+
+    def needs_pairs(self, s, recipe) -> bool:
+        """The plan depends on the pairs themselves: their costliest shared row."""
+        return s.shared_prompt and _one_pair_per_batch(recipe)
+
+    def setup_facts(self, s, recipe, seq: int, pairs, synthetic: bool) -> dict:
+        """`pair_tokens`: the most tokens one pair puts through the model (one pair per batch), from (prompt,
+        chosen, rejected) token counts cut to `seq` as TRL's collator cuts them; None where every pair runs as
+        TRL's two rows of a synthetic recipe, or with more pairs per batch (the plan keeps TRL's rows then)."""
+        if not s.shared_prompt or not _one_pair_per_batch(recipe) and not synthetic:
+            return {}
+        costliest = 0
+        for p, c, r in pairs:
+            if p >= seq:
+                continue  # TRL drops the pair
+            costliest = max(costliest, tokens_of_pair(p, min(c, seq - p), min(r, seq - p), s.shared_prompt_min_saving))
+        if synthetic and costliest >= 2 * seq:
+            return {}
+        return {"pair_tokens": costliest or None}
+
+    def geometry(self, s, setup, terms):
+        if s.shared_prompt and setup.pair_tokens:
+            terms.pair_tokens, terms.shared_rows = setup.pair_tokens, True
+
+    def price(self, s, setup, terms, cal):
+        pass  # its rows' tokens are its term (geometry)
+
+    def spell(self, s, priced=False):
+        return "shared" if s.shared_prompt and not priced else None
+
+    def read(self, token):
+        return {"shared_prompt": True} if token == "shared" else None
+
+
+LEVER = SharedPrompt()

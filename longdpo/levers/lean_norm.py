@@ -1,20 +1,28 @@
 """A lean RMSNorm (`memory.lean_norm`): the same numbers as Mistral/Llama/Qwen2's RMSNorm, a fraction of the memory.
 
 The stock norm upcasts its input to fp32 and leaves autograd to differentiate five elementwise ops. At 64k tokens
-per sequence a pair's hidden state is 2 x 65536 x 5120, so every fp32 copy is 2.7 GB: the snapshot of the best
-nested configuration (results/gpu_2026-12-02_s2_32k_64k) found 5 such frameless fp32 blocks (13.4 GB) alive in one
-norm's backward, plus the 2.7 GB fp32 cast and 1.3 GB normalised copy the recompute saves.
+per sequence a pair's hidden state is 2 x 65536 x 5120, so every fp32 copy is 2.7 GB, and a memory snapshot of one
+norm's backward held five of them besides the fp32 cast and the normalised copy the recompute saves
+(docs/BENCHMARKS.md).
 
 Here forward and backward run over token chunks, so fp32 exists one chunk (CHUNK_TOKENS rows) at a time, and only
 the input (which the layer checkpoint keeps anyway) and one fp32 scale per token are saved. Forward runs the stock
 module's ops and casts, per row; backward is the closed form
     dx = r * (g - x_hat * mean(g * x_hat)),  g = dy * w (upcast),  r = rsqrt(mean(x^2) + eps),
     dw = sum over tokens of dy * bf16(x_hat), accumulated in fp32.
+
+It applies after Liger's kernels (longdpo/levers/liger.py) and replaces the forward of every norm, Liger's too, in
+the policy and the reference alike: its forward gives the stock norm's numbers, so the reference stays an exact copy
+of the policy (step-1 loss ln 2) whatever kernels Liger brought, and a recipe with both runs Liger's RoPE and SwiGLU
+with these norms.
 """
 
 from __future__ import annotations
 
 import torch
+
+from longdpo.levers import Key, Lever
+from longdpo.model.families import decoder_modules, rms_norms
 
 CHUNK_TOKENS = 4096
 
@@ -61,3 +69,47 @@ def make_lean(norm: torch.nn.Module) -> None:
         return LeanRMSNormFunction.apply(hidden_states, norm.weight, eps)
 
     norm.forward = lean_forward
+
+
+def make_model_lean(model: torch.nn.Module) -> int:
+    """Every RMSNorm of the decoder (the final norm too) made lean; returns how many."""
+    layers, final_norm = decoder_modules(model)
+    norms = [final_norm, *(n for layer in layers for n in rms_norms(layer))]
+    for norm in norms:
+        make_lean(norm)
+    return len(norms)
+
+
+class LeanNorm(Lever):
+    name = "lean_norm"
+    order = 30
+    tokens = ("lean",)
+    keys = (
+        Key(
+            "lean_norm",
+            bool,
+            False,
+            "RMSNorms computed over token chunks with a closed-form backward, saving only their input and one fp32 "
+            "scale per token: no fp32 copies of the hidden state (for machines without Liger's Triton kernels).",
+            priced=True,
+        ),
+    )
+
+    def patches_decoder(self, s):
+        return s.lean_norm
+
+    def replace_kernels(self, s, models, build):
+        counts = [make_model_lean(model) for model in models if model is not None and s.lean_norm]
+        build.wrapped["lean_norm"] = counts[0] if counts else 0
+
+    def price(self, s, setup, terms, cal):
+        pass  # in the coefficients fitted per lever set (its token in the priced name)
+
+    def spell(self, s, priced=False):
+        return "lean" if s.lean_norm else None
+
+    def read(self, token):
+        return {"lean_norm": True} if token == "lean" else None
+
+
+LEVER = LeanNorm()

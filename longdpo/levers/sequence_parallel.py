@@ -14,7 +14,7 @@ TRL's DPO code is left untouched. The policy's and the reference's forward (TRL'
   - per-token outputs (log-probs, entropy, mean logits, top-1, mask) are all-gathered along the sequence and cut back
     to the unpadded shape, so TRL computes the loss, rewards and metrics on exactly the tensors it would see without
     SP. Backward of the gather hands each rank the gradient of its own shard.
-With `data.shared_prompt` the shared-prompt wrapper (longdpo/model/shared_prompt.py) calls this one with its rows,
+With `data.shared_prompt` the shared-prompt wrapper (longdpo/levers/shared_prompt.py) calls this one with its rows,
 their position ids and pre-shifted labels; Ulysses is then built for one row per pair, and a batch that runs as TRL's
 two rows per pair goes through in two calls of that size.
 Gradient scale: DeepSpeed (and DDP) average gradients over all world_size ranks, but the K ranks of a group hold
@@ -26,14 +26,19 @@ Data: the K ranks of a group must see the same pairs. The trainer's dataloader i
 
 Right padding (TRL's collator) with causal attention means real tokens never attend to padding, so the attention mask
 can be dropped (Ulysses discards it anyway); this is also why sliding-window attention is refused.
+
+Planner: each rank holds 1/K of every sequence's tokens (the Ulysses all-to-all buffers are not calibrated).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from trl.trainer.utils import FusedCausalLMOutput
 
 from longdpo.config import RecipeError, is_number, trainer_default
+from longdpo.levers import Key, Lever
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 
@@ -115,8 +120,6 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, rank: int, world: int, scale: float):
-        import torch.distributed as dist
-
         send = x.to(torch.uint8) if x.dtype == torch.bool else x  # gloo has no bool all_gather
         parts = [torch.empty_like(send) for _ in range(world)]
         dist.all_gather(parts, send.contiguous(), group=group)
@@ -134,6 +137,7 @@ class SequenceParallel:
     FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 
     def __init__(self, sp_size: int, micro_batch_size: int, model: torch.nn.Module):
+        # deepspeed only where sequence parallelism is on: its import detects the accelerator and says so
         import deepspeed
         import deepspeed.comm as ds_dist
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -159,8 +163,6 @@ class SequenceParallel:
     def wrap(self, model: torch.nn.Module) -> None:
         """Wrap `model.forward` (TRL's fused-LM-head forward, added by DPOTrainer) to run on this rank's shard.
         A DeepSpeed engine (TRL's prepared reference) is unwrapped: the engine calls its module."""
-        from trl.trainer.utils import FusedCausalLMOutput
-
         model = getattr(model, "module", model)
         fused = model.forward
 
@@ -182,11 +184,11 @@ class SequenceParallel:
             batch, length = input_ids.shape
             if shift_labels is None:  # TRL's rows: the label of position t is token t+1; the last scores nothing
                 shift_labels, scored = F.pad(labels[:, 1:], (0, 1), value=-100), length - 1
-            else:  # shared-prompt rows (longdpo/model/shared_prompt.py): every position carries its own label
+            else:  # shared-prompt rows (longdpo/levers/shared_prompt.py): every position carries its own label
                 scored = length
             if position_ids is None:
                 position_ids = torch.arange(length, device=input_ids.device).expand(batch, -1)
-            if batch > self.micro_batch and "shared_prompt" in kwargs:
+            if batch > self.micro_batch and "row_layout" in kwargs:  # shared rows, each its own layout
                 raise RuntimeError(f"{batch} shared rows exceed the {self.micro_batch} Ulysses was built for")
             # Ulysses is built for one micro-batch size: more rows (a shared-prompt run's batch that runs as TRL's
             # rows) run in several calls of that size
@@ -240,3 +242,76 @@ class SequenceParallel:
             )
         sampler.num_processes, sampler.process_index = self.dp_size, self.dp_rank
         return dataloader
+
+
+class SequenceParallelism(Lever):
+    name = "sequence_parallel"
+    order = 70
+    tokens = ("sp<K>",)
+    keys = (
+        Key(
+            "sp_size",
+            int,
+            1,
+            "sequence parallelism (DeepSpeed Ulysses): each chosen/rejected sequence is split over this many ranks; "
+            "attention exchanges heads for sequence all-to-all. The remaining world_size / sp_size ranks are data "
+            "parallel. Must divide the number of processes and the attention heads.",
+            section="parallelism",
+        ),
+    )
+
+    def check(self, s, ctx):
+        check_sp_size(s.sp_size)
+        if s.sp_size != 1:
+            check_sequence_parallel(
+                s.sp_size,
+                ctx.world_size,
+                ctx.architecture(),
+                ctx.recipe.trainer,
+                ctx.recipe.model.attn_implementation,
+                evaluating=ctx.evaluating,
+            )
+
+    def replica_ranks(self, s) -> int:
+        return s.sp_size
+
+    def configure(self, s, build):
+        if s.sp_size > 1:  # evaluation's extra logits forward cannot be sequence-parallel
+            build.trainer_kwargs.setdefault("prediction_loss_only", True)
+
+    def route_attention(self, s, models, build):
+        if s.sp_size > 1:  # routes attention through Ulysses for every model of this process
+            rows = build.rows_per_pair * build.args.per_device_train_batch_size  # Ulysses' micro-batch
+            build.sequence_parallel = SequenceParallel(s.sp_size, rows, models[0])
+
+    def wrap_trainer(self, s, trainer, build):
+        sp = build.sequence_parallel
+        if sp is None:
+            return
+        sp.wrap(trainer.model)  # TRL's fused-LM-head forwards, policy and reference
+        sp.wrap(trainer.ref_model)
+        trainer._tp_size = sp.k  # TRL's token count gathers every rank: a group holds each token K times
+        trainer.loader_wrappers.append(sp.shard_over_data_parallel_ranks)
+        trainer.tokens_seen_divisor = sp.k
+
+    def summary(self, s, build):
+        return {"sequence_parallel": {"sp_size": s.sp_size, "dp_size": build.args.world_size // s.sp_size}}
+
+    def geometry(self, s, setup, terms):
+        terms.shards = s.sp_size
+
+    def price(self, s, setup, terms, cal):
+        if s.sp_size > 1:
+            terms.notes.append(
+                f"sequence parallel {s.sp_size}: per-rank tokens / {s.sp_size} (Ulysses all-to-all buffers not "
+                "calibrated)"
+            )
+
+    def spell(self, s, priced=False):
+        return f"sp{s.sp_size}" if s.sp_size > 1 and not priced else None
+
+    def read(self, token):
+        return {"sp_size": int(token[2:])} if token.startswith("sp") and token[2:].isdigit() else None
+
+
+LEVER = SequenceParallelism()

@@ -11,7 +11,7 @@ so the FLOPs are TRL's, every weight-gradient row is summed in fp32 in the same 
 gradient stays an fp32 accumulation over vocabulary chunks, as in TRL.
 
 Only the backward changes; the class is a subclass of TRL's, swapped in for TRL's fused forward while training
-(longdpo/patches.py).
+(longdpo/patches.py, `trl_log_prob_function`).
 
 Both heads (TRL's as shipped and the lean one) run here as `HookSafeLogProb`: TRL's forward and backward, with the
 LM-head weight and bias kept on `ctx` instead of in the saved tensors. What was broken: under DeepSpeed ZeRO-3 with
@@ -26,7 +26,12 @@ hooks, and gathers it; the hooks never see the head's weight.
 from __future__ import annotations
 
 import torch
+import trl.trainer.utils as trl_utils
 from trl.kernels import chunked_logprob as trl_kernel
+
+from longdpo import patches
+from longdpo.levers import Key, Lever
+from longdpo.model.forwards import PROFILE_LABEL
 
 # Vocabulary columns per backward tile: the fp32 weight-gradient buffer is VOCAB_CHUNK x hidden x 4 bytes (168 MB at
 # hidden 5120), the recomputed tile TOKEN_CHUNK_SIZE x VOCAB_CHUNK in the compute dtype.
@@ -41,7 +46,7 @@ class HookSafeLogProb(trl_kernel.ChunkedLogProbFunction):
         ctx.head_params = (weight, bias)
         save = ctx.save_for_backward  # TRL's forward saves (hidden, weight, bias, targets, log_z, entropy)
         ctx.save_for_backward = lambda h, _weight, _bias, *rest: save(h, None, None, *rest)
-        with torch.profiler.record_function("recipes:forward:lm_head"):  # longdpo/training/profiling.py's row
+        with torch.profiler.record_function(f"{PROFILE_LABEL}forward:lm_head"):  # a row of a profiled step
             return trl_kernel.ChunkedLogProbFunction.forward(ctx, hidden, weight, bias, *args)
 
     @staticmethod
@@ -64,15 +69,13 @@ class _WithHeadParams:
 class LeanLMHeadLogProb(HookSafeLogProb):
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_):
-        from trl.trainer.utils import maybe_gather_lm_head_ctx
-
         hidden, weight, bias, targets, log_z, entropy = _WithHeadParams(ctx).saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         n_tokens, token_chunk = hidden.shape[0], trl_kernel.TOKEN_CHUNK_SIZE
         dtype, device = ctx.compute_dtype, hidden.device
         grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
-        with maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the full weight, as in TRL's backward
+        with trl_utils.maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the full weight, as in TRL's backward
             vocab, width = weight.shape[0], min(ctx.chunk_size, VOCAB_CHUNK)
             grad_hidden = torch.zeros(hidden.shape, device=device, dtype=torch.float32) if needs_hidden else None
             grad_weight = torch.empty(weight.shape, device=device, dtype=weight.dtype) if needs_weight else None
@@ -119,7 +122,7 @@ def _logit_grad(ctx, tile, targets, log_z, entropy, grad_logprobs, grad_entropy,
     """Overwrite a recomputed logits tile with the loss gradient w.r.t. it: TRL's own fold (Triton on GPU)."""
     n, cols = tile.shape
     if trl_kernel._use_triton(tile.device):
-        import triton
+        import triton  # on GPUs only (TRL's kernel takes its torch fold elsewhere), where Triton is installed
 
         fold = trl_kernel._backward_kernel[(n, triton.cdiv(cols, trl_kernel._BLOCK_SIZE))]
     else:
@@ -139,3 +142,38 @@ def _logit_grad(ctx, tile, targets, log_z, entropy, grad_logprobs, grad_entropy,
         BLOCK_SIZE=trl_kernel._BLOCK_SIZE,
         **ctx.kernel_args,
     )
+
+
+class LeanLMHead(Lever):
+    name = "lean_lm_head"
+    order = 50
+    tokens = ("head",)
+    keys = (
+        Key(
+            "lean_lm_head",
+            bool,
+            False,
+            "TRL's fused LM head with its backward looping over vocabulary chunks outside token chunks: no fp32 "
+            "buffer of the whole LM-head weight gradient.",
+            priced=True,
+        ),
+    )
+
+    def during_training(self, s, build):
+        # TRL's head always runs hook-safe (what ZeRO-3 with activation offloading needs); lean when asked
+        return patches.trl_log_prob_function(LeanLMHeadLogProb if s.lean_lm_head else HookSafeLogProb)
+
+    def configure(self, s, build):
+        build.wrapped["lean_lm_head"] = int(s.lean_lm_head)
+
+    def price(self, s, setup, terms, cal):
+        pass  # in the coefficients fitted per lever set (its token in the priced name)
+
+    def spell(self, s, priced=False):
+        return "head" if s.lean_lm_head else None
+
+    def read(self, token):
+        return {"lean_lm_head": True} if token == "head" else None
+
+
+LEVER = LeanLMHead()
