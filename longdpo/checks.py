@@ -96,20 +96,23 @@ def check_data_args(args: DataArgs) -> None:
     if isinstance(args.eval_files, str):
         args.eval_files = [args.eval_files]
     if args.synthetic is not None:
-        keys, optional = {"pairs", "seq_tokens", "prompt_tokens"}, {"rejected_tokens"}
-        if (
-            not isinstance(args.synthetic, dict)
-            or not keys <= set(args.synthetic) <= keys | optional
-            or not all(type(v) is int for v in args.synthetic.values())
+        fixed, mix = {"pairs", "seq_tokens", "prompt_tokens"}, {"pairs", "seq_tokens", "mix_seed"}
+        named = set(args.synthetic) if isinstance(args.synthetic, dict) else set()
+        if not (fixed <= named <= fixed | {"rejected_tokens"} or named == mix) or not all(
+            type(v) is int for v in args.synthetic.values()
         ):
             raise RecipeError(
-                f"`data.synthetic` must be a mapping of whole numbers with the keys {sorted(keys)} (and optionally "
-                "rejected_tokens), e.g. '{pairs: 4, seq_tokens: 65536, prompt_tokens: 4096}'."
+                f"`data.synthetic` must be a mapping of whole numbers with the keys {sorted(fixed)} (and optionally "
+                "rejected_tokens), e.g. '{pairs: 4, seq_tokens: 65536, prompt_tokens: 4096}', or "
+                f"{sorted(mix)} for a mix of pair shapes."
             )
         s = args.synthetic
-        if s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
+        if "mix_seed" in s:
+            if s["pairs"] < 1 or s["seq_tokens"] < 64:
+                raise RecipeError("A mix in `data.synthetic` needs pairs >= 1 and seq_tokens >= 64.")
+        elif s["pairs"] < 1 or not 0 < s["prompt_tokens"] < s["seq_tokens"] - 1:
             raise RecipeError("`data.synthetic` needs pairs >= 1 and 0 < prompt_tokens < seq_tokens - 1.")
-        if not 2 <= s.get("rejected_tokens", 2) <= s["seq_tokens"] - s["prompt_tokens"]:
+        elif not 2 <= s.get("rejected_tokens", 2) <= s["seq_tokens"] - s["prompt_tokens"]:
             raise RecipeError(
                 "`data.synthetic.rejected_tokens` (the rejected completion, EOS included) must be "
                 "between 2 and seq_tokens - prompt_tokens (the chosen completion's length)."

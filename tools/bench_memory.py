@@ -37,15 +37,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/gpu_results.py beside this script
 
 from analyze_snapshot import peak_holders  # noqa: E402
-from gpu_results import add_setup_arguments, setup_from_result, synthetic_spec  # noqa: E402
+from gpu_results import add_setup_arguments  # noqa: E402
 
 from longdpo.cluster.distributed import run_job  # noqa: E402
-from longdpo.config import load_recipe  # noqa: E402
-from longdpo.data.synthetic import WORKLOADS, synthetic_pair, workload  # noqa: E402
+from longdpo.data.synthetic import WORKLOADS, workload  # noqa: E402
 from longdpo.levers import LeverSet  # noqa: E402
-from longdpo.model.build import load_architecture  # noqa: E402
 from longdpo.planner.cli import positive_ints  # noqa: E402
-from longdpo.planner.plan import model_flops_per_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,8 +102,12 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
         return fn(vals) if vals else None
 
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    mean = lambda v: round(sum(v) / len(v), 4)  # noqa: E731
     peak = agg("peak_allocated_gb", max)
     weights = steady[-1].get("weights_gb")
+    # memory that stays flat: how far the peak reserved moves over the steps after the tenth (a mix of pair shapes
+    # fragments the allocator step by step), and the step it was highest at
+    late = [r["peak_reserved_gb"] for r in records[10:] if r.get("peak_reserved_gb") is not None]
     return {
         "peak_allocated_gb": peak,
         "above_weights_gb": round(peak - weights, 3) if peak is not None and weights else None,
@@ -114,7 +115,10 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
         "peak_reserved_gb": agg("peak_reserved_gb", max),
         "frag_gap_gb": agg("frag_gap_gb", max),
         "step_time_s": agg("step_time_s", median),
+        "mean_step_time_s": agg("step_time_s", mean),  # over the same pairs for every lever set of a benchmark
         "tokens_per_s": agg("tokens_per_s", median),
+        "model_tflops_per_step": agg("model_tflops", mean),
+        "mfu_of_peak": agg("mfu", mean),  # model FLOPs over time and the card's dense bf16 peak
         "host_rss_gb": agg("host_rss_gb", max),
         "host_pinned_gb": agg("host_pinned_gb", max),
         "host_peak_gb": agg("host_peak_gb", max),
@@ -136,6 +140,8 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
         "run_peak_reserved_gb": max(
             (r["peak_reserved_gb"] for r in records if r.get("peak_reserved_gb") is not None), default=None
         ),
+        "reserved_spread_after_10_gb": round(max(late) - min(late), 3) if len(late) >= 2 else None,
+        "reserved_by_step": [r.get("peak_reserved_gb") for r in records],
     }
 
 
@@ -187,7 +193,8 @@ def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
 
 
 def matmul_tflops() -> float | None:
-    """This GPU's measured bf16 matmul rate (8192^3, mean of 10 after 3 warm-ups): the MFU denominator."""
+    """This GPU's measured bf16 matmul rate (8192^3, mean of 10 after 3 warm-ups): what a kernel reaches here, beside
+    the card's peak that MFU is taken of (longdpo/training/flops.py)."""
     try:
         import torch
     except ImportError:
@@ -208,17 +215,6 @@ def matmul_tflops() -> float | None:
     del a, b
     torch.cuda.empty_cache()
     return round(rate, 1)
-
-
-def add_mfu(result: dict, environment: dict, row_setup) -> None:
-    """MFU = model FLOPs per step / (step time x measured matmul rate); None without a GPU rate or a step time. The
-    FLOPs are those of the pair's real tokens as the run lays them out (two rows, or one shared row)."""
-    rate, step = environment.get("matmul_tflops"), result.get("step_time_s")
-    setup, attn_width = row_setup
-    command = result.get("command", "")
-    pair = synthetic_pair(synthetic_spec(command), setup.seq) if "--data.synthetic" in command else None
-    result["model_tflops_per_step"] = round(model_flops_per_step(setup, attn_width, pair=pair) / 1e12, 2)
-    result["mfu"] = round(result["model_tflops_per_step"] / (step * rate), 4) if rate and step else None
 
 
 def environment(args) -> dict:
@@ -264,8 +260,9 @@ def render_table(results: list[dict]) -> str:
 
     lines = [
         "| Seqlen | Workload | Config | Peak Allocated (GB) | Above weights (GB) | Peak Reserved (GB) | "
-        "Frag gap (GB) | Step Time (s) | Real tokens/s | MFU | Host RSS (GB) | Pinned host (GB) | Host peak (GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Frag gap (GB) | Step Time (s) | Mean step (s) | Real tokens/s | MFU (of peak) | Reserved spread after "
+        "step 10 (GB) | Host RSS (GB) | Pinned host (GB) | Host peak (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         head = f"| {r['seq_tokens']} | {r.get('workload', 'equal')} | {r['config']} |"
@@ -277,13 +274,14 @@ def render_table(results: list[dict]) -> str:
                     f" in step {n + 1} (step {n}: {f(reached['peak_allocated_gb'])} GB allocated, "
                     f"{f(reached['peak_reserved_gb'])} GB reserved, {f(reached['step_time_s'])} s)"
                 )
-            lines.append(f"{head} {status} | | | | | | | | | |")
+            lines.append(f"{head} {status} | | | | | | | | | | | |")
             continue
         lines.append(
             f"{head} {f(r['peak_allocated_gb'])} | {f(r.get('above_weights_gb'))} | "
             f"{f(r['peak_reserved_gb'])} | "
-            f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r['tokens_per_s'], '.0f')} | "
-            f"{f(r.get('mfu'), '.1%')} | "
+            f"{f(r['frag_gap_gb'])} | {f(r['step_time_s'])} | {f(r.get('mean_step_time_s'))} | "
+            f"{f(r['tokens_per_s'], '.0f')} | {f(r.get('mfu_of_peak'), '.1%')} | "
+            f"{f(r.get('reserved_spread_after_10_gb'))} | "
             f"{f(r['host_rss_gb'])} | {f(r['host_pinned_gb'])} | {f(r.get('host_peak_gb'))} |"
         )
     return "\n".join(lines) + "\n"
@@ -413,11 +411,6 @@ def parse_args(argv=None):
     return args
 
 
-def _attn_width(args) -> int:
-    arch = load_architecture(load_recipe(os.path.join(ROOT, args.recipe)).model)
-    return arch.num_attention_heads * (getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads)
-
-
 def write_outputs(out: str, environment: dict, results: list[dict], curves: dict | None = None) -> None:
     """results.json, results.md and the chart; a benchmark rewrites them after every run, so one stopped half-way
     keeps what it measured."""
@@ -460,7 +453,6 @@ def main(argv=None) -> list[dict]:
         return merge(args.merge, args.out)
     os.makedirs(args.out, exist_ok=True)
     env = {**environment(args), "matmul_tflops": matmul_tflops()}
-    attn_width = _attn_width(args)
     results = []
     runs = [
         (seq, shape, name)
@@ -470,8 +462,6 @@ def main(argv=None) -> list[dict]:
     ]
     for seq, shape, name in runs:
         results.append(run_one(args, name, seq, shape))
-        setup = setup_from_result(env, results[-1])
-        add_mfu(results[-1], env, (setup, attn_width))
         print(
             json.dumps(
                 {

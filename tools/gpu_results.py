@@ -13,7 +13,7 @@ import shlex
 
 from longdpo.checks import check_deepspeed_config
 from longdpo.config import ModelArgs, load_recipe, parse_cli
-from longdpo.data.synthetic import synthetic_pair
+from longdpo.data.synthetic import spec_pairs
 from longdpo.levers import LeverSet, levers
 from longdpo.model.build import load_architecture
 from longdpo.planner.cli import positive_int
@@ -72,9 +72,9 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
     arch = load_architecture(ModelArgs(**{**recipe.model.__dict__, "num_hidden_layers": bench.layers}))
     total, layer, embed = count_params(arch)
     seq, facts = row["seq_tokens"], {}
+    pairs = spec_pairs(synthetic_spec(row["command"]), seq)
     for lever in levers():
-        pair = synthetic_pair(synthetic_spec(row["command"]), seq)
-        facts.update(lever.setup_facts(lever_set, recipe, seq, [pair], synthetic=True))
+        facts.update(lever.setup_facts(lever_set, recipe, seq, pairs, synthetic=True))
     return Setup(
         params=total,
         layer_params=layer,

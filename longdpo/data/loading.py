@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 
 import datasets
 from huggingface_hub import constants
 from jinja2 import TemplateError
 
 from longdpo.config import DataArgs, RecipeError, resolve_path
-from longdpo.data.synthetic import synthetic_pairs
+from longdpo.data.synthetic import mixed_pairs, synthetic_pairs, write_jsonl
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -183,6 +184,8 @@ def _concatenate(parts: list, key: str):
 def load_train_data(args: DataArgs):
     """The training pairs: synthetic, files, a Hub dataset, or a mixture (each source's first `fraction` of its rows,
     concatenated and shuffled with seed 42: alignment-handbook's `dataset_mixer`)."""
+    if args.synthetic and "mix_seed" in args.synthetic:  # a mix is read as a dataset's file is
+        return _check_pairs(_read_files([_written_mix(args.synthetic)], "synthetic"), "synthetic")
     if args.synthetic:
         return datasets.Dataset.from_list(synthetic_pairs(**args.synthetic))
     mixed = args.mixture is not None
@@ -195,6 +198,17 @@ def load_train_data(args: DataArgs):
     if args.max_train_samples is not None:
         ds = ds.select(range(min(args.max_train_samples, len(ds))))
     return ds
+
+
+def _written_mix(spec: dict) -> str:
+    """The mix of `data.synthetic` as a JSONL file (one per mix, in the temporary folder; every rank writes the same
+    file whole, renamed into place)."""
+    path = os.path.join(tempfile.gettempdir(), "longdpo-mix-{pairs}x{seq_tokens}-seed{mix_seed}.jsonl".format(**spec))
+    if not os.path.exists(path):
+        partial = f"{path}.{os.getpid()}"
+        write_jsonl(mixed_pairs(**spec), partial)
+        os.replace(partial, path)
+    return path
 
 
 def has_eval_data(args: DataArgs) -> bool:

@@ -41,14 +41,20 @@ def synthetic_pairs(
 #   half-prompt  prompt 50% of L, completions as unequal's (between the two; where sharing the prompt starts to pay)
 #   long-prompt  prompt 90% of L (a long document or conversation), the chosen completion the other 10%, the
 #                rejected one 10% shorter than that
-WORKLOADS = ("equal", "unequal", "half-prompt", "long-prompt")
+#   mixed        a seeded mix of pairs as a dataset has them (`mixed_lengths`): long documents with short answers,
+#                conversations, short prompts with long answers; answers of different lengths, every length up to L
+WORKLOADS = ("equal", "unequal", "half-prompt", "long-prompt", "mixed")
 PROMPT_SHARE = {"half-prompt": 0.5, "long-prompt": 0.9}
+# The kinds of pair in the mix: (share of the pairs, the prompt's share of the pair's length, low and high)
+MIX = {"document": (0.4, 0.80, 0.95), "conversation": (0.3, 0.35, 0.65), "answer": (0.3, 0.02, 0.10)}
 
 
 def workload(name: str, seq_tokens: int, pairs: int, prompt_tokens: int = 1024) -> dict:
     """`data.synthetic` for a named workload (`prompt_tokens`: the short prompt of equal / unequal)."""
     if name not in WORKLOADS:
         raise RecipeError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}.")
+    if name == "mixed":
+        return {"pairs": pairs, "seq_tokens": seq_tokens, "mix_seed": 0}
     if name in PROMPT_SHARE:
         prompt = round(PROMPT_SHARE[name] * seq_tokens)
     else:
@@ -65,6 +71,69 @@ def synthetic_pair(spec: dict, seq: int) -> tuple[int, int, int]:
     prompt = spec["prompt_tokens"]
     chosen = seq - prompt
     return prompt, chosen, min(spec.get("rejected_tokens", chosen), chosen)
+
+
+def mixed_lengths(pairs: int, seq_tokens: int, mix_seed: int = 0) -> list[tuple[str, int, int, int]]:
+    """(kind, prompt, chosen, rejected) tokens of each pair of a mix (completions with their EOS): the kinds of `MIX`
+    in their shares, each pair's length (prompt + the longer completion) log-uniform from seq_tokens / 16 to
+    seq_tokens (the first pair exactly seq_tokens, so that the longest is what max_length allows), the shorter
+    completion 30-95% of the longer, chosen or rejected the longer at random."""
+    rng = random.Random(mix_seed)
+    kinds, shares = list(MIX), [share for share, _, _ in MIX.values()]
+    out = []
+    for i in range(pairs):
+        kind = rng.choices(kinds, shares)[0]
+        _, low, high = MIX[kind]
+        length = seq_tokens if i == 0 else round(seq_tokens / 16 * 16 ** rng.random())
+        prompt = min(max(1, round(length * rng.uniform(low, high))), length - 2)
+        longer = length - prompt
+        shorter = max(2, round(longer * rng.uniform(0.3, 0.95)))
+        chosen, rejected = (longer, shorter) if rng.random() < 0.5 else (shorter, longer)
+        out.append((kind, prompt, chosen, rejected))
+    return out
+
+
+def mixed_pairs(pairs: int, seq_tokens: int, mix_seed: int = 0) -> list[dict]:
+    """The pairs of `mixed_lengths` as standard-format text for the byte tokenizer: a document, a conversation of
+    user and assistant turns, or a question, each of its exact length in tokens."""
+    rng = random.Random(mix_seed + 1)
+    letters = string.ascii_lowercase + " "
+
+    def text(k: int) -> str:
+        return "".join(rng.choice(letters) for _ in range(k))
+
+    def conversation(k: int) -> str:
+        turns, left = [], k
+        while left > 0:
+            turn = f"{'User' if len(turns) % 2 == 0 else 'Assistant'}: "
+            size = min(left, len(turn) + rng.randint(20, 400))
+            turns.append((turn + text(size))[:size])
+            left -= size
+        return "".join(turns)
+
+    return [
+        {
+            "prompt": conversation(p) if kind == "conversation" else text(p),
+            "chosen": text(c - 1),  # TRL appends EOS: one token more
+            "rejected": text(r - 1),
+        }
+        for kind, p, c, r in mixed_lengths(pairs, seq_tokens, mix_seed)
+    ]
+
+
+def spec_pairs(spec: dict, seq: int) -> list[tuple[int, int, int]]:
+    """(prompt, chosen, rejected) tokens of the pairs of `data.synthetic` planned at `seq` tokens: the one shape of
+    a fixed spec, or every pair of a mix."""
+    if "mix_seed" in spec:
+        return [(p, c, r) for _, p, c, r in mixed_lengths(spec["pairs"], spec["seq_tokens"], spec["mix_seed"])]
+    return [synthetic_pair(spec, seq)]
+
+
+def synthetic_rows(spec: dict) -> list[dict]:
+    """The pairs `data.synthetic` asks for, as text."""
+    if "mix_seed" in spec:
+        return mixed_pairs(**spec)
+    return synthetic_pairs(**spec)
 
 
 def write_jsonl(rows: list[dict], path: str) -> None:

@@ -169,6 +169,7 @@ class Build:
     is_main: bool = True
     mlp_recomputes_itself: bool = False  # an MLP lever recomputes the MLP: no checkpoint around it
     rows_per_pair: int = 2  # rows a pair runs as: TRL's chosen and rejected, or one shared row
+    one_row_per_pair: object = None  # (pairs, width) -> whether a batch runs one row per pair (a lever's choice)
     core_attention: str | None = None  # an attention function the models are built with (replaces the recipe's)
     wrapped: dict = field(default_factory=dict)
     step_telemetry: list = field(default_factory=list)  # callables -> dict of fields for each step's record

@@ -39,6 +39,8 @@ forward), it is causal attention over the whole row, TRL's right-padded batch wi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -119,9 +121,14 @@ def layout(input_ids, attention_mask, labels):
 
 def saving(pairs, length: int) -> float:
     """The share of the tokens of TRL's rows (2 per pair, `length` each) that the shared rows (one per pair, padded to
-    the longest) do without."""
-    width = max(row_tokens(p, c, r) for p, c, r, _ in pairs)
+    the longest) do without. `pairs`: (prompt, chosen, rejected, ...) tokens of each."""
+    width = max(row_tokens(*pair[:3]) for pair in pairs)
     return 1 - width / (2 * length)
+
+
+def runs_shared(pairs, length: int, min_saving: float) -> bool:
+    """Whether a batch runs as shared rows: it saves at least `min_saving` of TRL's rows' tokens."""
+    return saving(pairs, length) >= min_saving
 
 
 def build_rows(input_ids, labels, pairs):
@@ -173,7 +180,7 @@ def wrap(model: torch.nn.Module, min_saving: float = 0.0) -> dict:
                 f"(model(input_ids=..., labels=..., fused_lm_head=True)); got another call: {sorted(kwargs)}"
             )
         pairs = layout(input_ids, attention_mask, labels)
-        if saving(pairs, input_ids.shape[1]) < min_saving:
+        if not runs_shared(pairs, input_ids.shape[1], min_saving):
             # TRL's rows; the mask is not needed (right padding under causal attention) and attention ignores it
             counts["two_rows"] += 1
             return fused(input_ids=input_ids, labels=labels, fused_lm_head=True, **kwargs)
@@ -251,6 +258,7 @@ class SharedPrompt(Lever):
     def configure(self, s, build):
         if s.shared_prompt:
             build.rows_per_pair = 1
+            build.one_row_per_pair = functools.partial(runs_shared, min_saving=s.shared_prompt_min_saving)
             build.core_attention = NAME  # the models are built with it; sequence parallelism wraps it
             build.messages.append(
                 "attention: each pair's prompt computed once (data.shared_prompt): one sequence [prompt, chosen, "

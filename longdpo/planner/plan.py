@@ -51,7 +51,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from longdpo.config import Recipe, RecipeError, trainer_default
-from longdpo.data.synthetic import synthetic_pair
+from longdpo.data.synthetic import spec_pairs, synthetic_pair
 from longdpo.levers import LeverSet, levers
 from longdpo.model.build import load_architecture
 from longdpo.model.lora import adapter_params
@@ -171,31 +171,6 @@ def count_params(config) -> tuple[int, int, int]:
     embed = v * h
     total = layer * config.num_hidden_layers + embed * (1 if config.tie_word_embeddings else 2) + h
     return total, layer, embed
-
-
-def model_flops_per_step(
-    s: Setup, attn_width: int, with_reference: bool = True, pair: tuple[int, int, int] | None = None
-) -> float:
-    """Model FLOPs of one DPO step of this rank (recomputation not counted, as MFU conventions want): policy
-    forward + backward = 3 x forward, reference forward = 1 x. Forward = 2 x matmul parameters (all but the input
-    embedding) per token + attention, 4 x attention width per (query, key) pair per layer: causal over a sequence of
-    T tokens, 2 x T^2 x width. `pair`: (prompt, chosen, rejected) tokens of each pair, counted as run, padding left
-    out: TRL's two rows P + C and P + R, or as shared rows [P, C, R], whose rejected tokens see the prompt and
-    themselves (query-key pairs (P+C)^2/2 + (P+R)^2/2 - P^2/2). Without it, two rows of `s.seq`."""
-    terms = Terms(priced_name="", pair_tokens=2 * s.seq)
-    for lever in levers():
-        lever.geometry(s.levers, s, terms)
-    p, c, r = pair or (0, s.seq, s.seq)
-    tokens, squares = (
-        (p + c + r, (p + c) ** 2 + (p + r) ** 2 - p**2)
-        if terms.shared_rows
-        else (2 * p + c + r, (p + c) ** 2 + (p + r) ** 2)
-    )
-    matmul_params = s.params - s.embed_params
-    # under sequence parallelism a rank runs the linear layers on its 1/sp of the tokens and attention on 1/sp of
-    # the heads over the whole sequence: both terms divide by the shards
-    forward = s.batch * (2 * matmul_params * tokens + 2 * s.layers * squares * attn_width) / terms.shards
-    return forward * (3 + (1 if with_reference else 0))
 
 
 def load_calibration(path: str = CALIBRATION) -> dict:
@@ -340,7 +315,7 @@ def setup_from_recipe(
     zero = (ds_config or {}).get("zero_optimization", {})
     seq = planned_length(recipe, max((p + max(c, r) for p, c, r in pairs), default=0) if pairs else None)
     if spec:
-        pairs = [synthetic_pair(spec, seq)]
+        pairs = spec_pairs(spec, seq)
     facts = {}
     for lever in levers():
         if pairs is not None:
@@ -372,7 +347,7 @@ def pairs_pad(recipe: Recipe) -> bool:
     """Whether a batch's rows differ in length (TRL pads them): synthetic pairs say so; real preference data almost
     always has chosen and rejected answers of different lengths."""
     spec = recipe.data.synthetic
-    if not spec:
+    if not spec or "mix_seed" in spec:
         return True
     _, chosen, rejected = synthetic_pair(spec, spec["seq_tokens"])
     return rejected != chosen

@@ -1,4 +1,5 @@
-"""The memory `TrainerCallback`: per-step telemetry of GPU and host memory and time.
+"""The memory `TrainerCallback`: per-step telemetry of GPU and host memory, time, and useful work (model FLOPs and
+their share of the card's peak, longdpo/training/flops.py).
 
 Per optimizer step, on every rank, it measures peak allocated / peak reserved / fragmentation gap (reserved -
 allocated at peak) / allocator retries and OOMs / host RSS and pinned host memory / step time / real (unpadded)
@@ -24,6 +25,7 @@ from transformers import TrainerCallback
 from longdpo import patches
 from longdpo.cluster.distributed import max_over_ranks
 from longdpo.config import MemoryArgs
+from longdpo.training.flops import mfu
 
 logger = logging.getLogger(__name__)
 GB = 1e9
@@ -165,6 +167,7 @@ class MemoryCallback(TrainerCallback):
             "weights_gb": round(self.weights_gb, 4) if self.weights_gb is not None else None,
             "cuda": self._cuda(),
         }
+        record["mfu"] = mfu(record.get("model_tflops"), reduced["step_time_s"])
         if host_peak is None:
             record["host_peak_gb"] = None
         if not self._cuda():  # no GPU: the GPU fields mean nothing
@@ -219,6 +222,8 @@ class MemoryCallback(TrainerCallback):
             "host_peak_gb",
             "step_time_s",
             "tokens_per_s",
+            "model_tflops",
+            "mfu",
         )
         last = self.records[-1] if self.records else {}
         return {f"memory/{k}": last[k] for k in keep if last.get(k) is not None}
@@ -242,10 +247,10 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
     if any(r.get("peak_allocated_gb") is not None for r in records):
         table = (
             "| Levers | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Host peak (GB) | Step Time (s) | "
-            "Tokens/s |\n|---|---|---|---|---|---|---|\n"
+            "Tokens/s | MFU |\n|---|---|---|---|---|---|---|---|\n"
             f"| {label or 'this run'} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
             f"{fmt('frag_gap_gb', max)} | {fmt('host_peak_gb', max)} | {fmt('step_time_s', med)} | "
-            f"{fmt('tokens_per_s', med)} |\n"
+            f"{fmt('tokens_per_s', med)} | {fmt('mfu', med)} |\n"
         )
     else:  # a CPU run: no GPU memory to report, so what there is
         table = (

@@ -22,8 +22,10 @@ from longdpo.levers import levers, replica_ranks
 from longdpo.model import lora
 from longdpo.model.emulation import local_parameters
 from longdpo.patches import name_model_card
+from longdpo.planner.plan import count_params
 from longdpo.planner.preflight import oom_report
 from longdpo.train import say_recipe_error
+from longdpo.training.flops import StepFlops
 from longdpo.training.models import Models
 from longdpo.training.pairs import Pairs
 from longdpo.training.startup import StartUp
@@ -103,6 +105,17 @@ def build_trainer(start: StartUp, guard, pairs: Pairs, models: Models) -> Recipe
         raise RecipeError(f"TRL's DPOTrainer refuses this recipe: {e}") from None
     for lever in levers():
         lever.wrap_trainer(recipe.levers, trainer, build)
+    config = models.policy.config
+    total, _, embed = count_params(config)
+    trainer.step_flops = StepFlops(
+        config,
+        matmul_params=total - embed,
+        lora=recipe.model.use_peft,
+        with_reference=not build.args.precompute_ref_log_probs,
+        shards=replica_ranks(recipe.levers),
+        one_row=build.one_row_per_pair,
+    )
+    build.step_telemetry.append(trainer.step_flops.take)
     if recipe.model.use_peft and start.is_main:
         logger.info(lora.trainable_summary(trainer.model))
     return trainer

@@ -1,6 +1,7 @@
 """TRL's DPOTrainer with what a run adds around a step: memory telemetry in every training log, the non-finite guard
-(longdpo/cluster/signals.py), and the places the levers' `wrap_trainer` stage reaches into (longdpo/levers/): the
-dataloaders (sequence parallelism shards them over data-parallel ranks only) and the count of tokens seen.
+(longdpo/cluster/signals.py), the model FLOPs of each micro-batch (longdpo/training/flops.py), and the places the
+levers' `wrap_trainer` stage reaches into (longdpo/levers/): the dataloaders (sequence parallelism shards them over
+data-parallel ranks only) and the count of tokens seen.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ class RecipeDPOTrainer(DPOTrainer):
         self.recipe_memory, self.recipe_guard = memory_callback, guard
         self.loader_wrappers: list = []  # each dataloader passes through these (a lever's)
         self.tokens_seen_divisor = 1  # ranks that hold the same pairs: transformers sums every rank's batch
+        self.step_flops = None  # longdpo/training/flops.py: the model FLOPs of each training micro-batch
         super().__init__(*args, **kwargs)
 
     def log(self, logs, start_time=None):
@@ -35,6 +37,8 @@ class RecipeDPOTrainer(DPOTrainer):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if model.training:
             self.recipe_guard.saw_loss(out[0] if return_outputs else out)
+            if self.step_flops is not None:
+                self.step_flops.add(inputs)
         return out
 
     def _get_grad_norm(self, model, grad_norm=None):

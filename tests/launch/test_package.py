@@ -42,9 +42,13 @@ def test_a_wheel_plans_and_trains_the_quickstart_from_anywhere(tmp_path):
         capture_output=True,
     )
     elsewhere.mkdir()
-    clean = {k: v for k, v in job_env().items() if k != "PYTHONPATH"}
+    clean = {k: v for k, v in job_env().items() if k != "PYTHONPATH"}  # nothing of the checkout on the path
     where = subprocess.run(
-        [python, "-c", "import longdpo; print(longdpo.__file__)"], cwd=elsewhere, capture_output=True, text=True
+        [python, "-c", "import longdpo; print(longdpo.__file__)"],
+        cwd=elsewhere,
+        env=clean,
+        capture_output=True,
+        text=True,
     )
     assert where.stdout.startswith(site), where.stdout + where.stderr  # the wheel's copy, not the checkout
     quickstart = "recipes/tiny_mistral/dpo_quickstart.yaml"  # no such file here: the one the package ships

@@ -73,6 +73,8 @@ def check(*argv: str, recipe: str = TINY, world_size: int = 1, cuda: bool = Fals
         (["--data.train_files", "[]"], "No training data"),
         (["--data.synthetic", "{pairs: 2, seq_tokens: 10}"], "must be a mapping of whole numbers with the keys"),
         (["--data.synthetic", "{pairs: 2, seq_tokens: 10, prompt_tokens: 2.5}"], "must be a mapping of whole numbers"),
+        (["--data.synthetic", "{pairs: 2, seq_tokens: 100, mix_seed: 0, prompt_tokens: 5}"], "or \\['mix_seed'"),
+        (["--data.synthetic", "{pairs: 2, seq_tokens: 32, mix_seed: 0}"], "A mix in `data.synthetic` needs"),
         (["--model.name_or_path", "some/dir"], "Set exactly one of `model.name_or_path`"),
         (
             ["--model.architecture", "null", "--model.name_or_path", "tests"],

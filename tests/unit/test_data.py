@@ -79,7 +79,7 @@ def test_synthetic_pairs_have_exact_token_lengths():
         "half-prompt": (150, 150, 135),
         "long-prompt": (270, 30, 27),
     }
-    assert set(expected) == set(WORKLOADS)
+    assert set(expected) == set(WORKLOADS) - {"mixed"}  # the mix: the test below
     for name, (prompt, chosen, rejected) in expected.items():
         rows = synthetic_pairs(**workload(name, 300, pairs=3))
         trainer = DPOTrainer(
@@ -256,3 +256,33 @@ def test_truncation_is_a_warning_with_the_count_and_the_share_of_tokens_lost():
     assert report["truncated"] == 1 and report["tokens_lost_share"] == round(3 / 18, 4)
     assert truncation_warning(report).startswith("max_length 8 truncates 1 of 2 pairs (17% of all tokens lost")
     assert truncation_warning(length_report(tokenized, n_raw=2, max_length=20)) is None
+
+
+def test_a_mix_of_pair_shapes_as_a_dataset_has_them():
+    """`mixed`: documents with short answers, conversations, short prompts with long answers, in their shares; every
+    length up to seq_tokens (the first exactly it); answers of different lengths; each pair exactly its planned
+    tokens through TRL's own tokenization; the same seed, the same pairs; read from a JSONL file as user data is."""
+    from longdpo.config import DataArgs
+    from longdpo.data.lengths import pair_lengths
+    from longdpo.data.loading import load_train_data
+    from longdpo.data.synthetic import MIX, mixed_lengths, mixed_pairs, workload
+    from longdpo.model.build import build_byte_tokenizer
+
+    planned = mixed_lengths(600, 4096, mix_seed=3)
+    assert planned == mixed_lengths(600, 4096, mix_seed=3) != mixed_lengths(600, 4096, mix_seed=4)
+    lengths = [p + max(c, r) for _, p, c, r in planned]
+    assert lengths[0] == 4096 and max(lengths) == 4096 and min(lengths) >= 4096 // 16
+    assert sum(n < 1024 for n in lengths) > 100 and sum(n > 2048 for n in lengths) > 100  # spread over the range
+    for kind, (share, low, high) in MIX.items():
+        of_kind = [(p, c, r) for k, p, c, r in planned if k == kind]
+        assert abs(len(of_kind) / len(planned) - share) < 0.07, kind
+        assert all(low - 0.01 <= p / (p + max(c, r)) <= high + 0.01 for p, c, r in of_kind), kind
+    assert all(c != r and min(c, r) >= 2 for _, _, c, r in planned)  # unequal answers, each at least its EOS
+    rows = mixed_pairs(40, 512, mix_seed=1)
+    assert "User: " in "".join(row["prompt"] for row in rows)  # the conversations have turns
+    as_tokenized = pair_lengths(build_byte_tokenizer(), datasets.Dataset.from_list(rows))
+    assert as_tokenized == [(p, c, r) for _, p, c, r in mixed_lengths(40, 512, mix_seed=1)]
+    spec = workload("mixed", 512, pairs=40)
+    assert spec == {"pairs": 40, "seq_tokens": 512, "mix_seed": 0}
+    loaded = load_train_data(DataArgs(synthetic={**spec, "mix_seed": 1}))
+    assert [dict(row) for row in loaded] == rows  # written as a file, read back as a user's file is

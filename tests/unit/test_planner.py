@@ -465,11 +465,6 @@ def test_sequence_parallel_divides_the_activations_not_the_model_states():
         8 * sp8.breakdown["activations_peak_layer_and_lm_head"], rel=1e-3
     )
     assert "sequence parallel 8" in sp8.calibrated_from
-    from longdpo.planner.plan import model_flops_per_step
-
-    assert model_flops_per_step(
-        Setup(**{**base.__dict__, "levers": base.levers.replace(sp_size=8)}), 4096
-    ) == pytest.approx(model_flops_per_step(base, 4096) / 8)
 
 
 def test_shipped_128k_recipe_is_planned_per_rank():
@@ -663,3 +658,20 @@ def test_shared_prompt_plans_one_row_per_pair():
     short = ["--data.synthetic", json.dumps(workload("equal", 65536, 4)), "--max_length", "65536"]
     short = load_recipe(path, parse_overrides([*short, "--data.shared_prompt", "true"]))
     assert tokens(setup_from_recipe(short, gpus=8)) == 2 * 65536
+
+
+def test_a_mix_is_planned_for_its_longest_and_costliest_pairs():
+    """A mix of pair shapes (`data.synthetic` with `mix_seed`): planned at max_length, its pairs padding (answers of
+    different lengths), and with the shared prompt for its costliest pair as it runs (one row, or TRL's two)."""
+    from longdpo.config import load_recipe, parse_overrides
+    from longdpo.data.synthetic import mixed_lengths
+    from longdpo.levers.shared_prompt import tokens_of_pair
+    from longdpo.planner.plan import setup_from_recipe
+
+    mix = ["--data.synthetic", "{pairs: 50, seq_tokens: 4096, mix_seed: 2}", "--max_length", "4096"]
+    mix += ["--per_device_train_batch_size", "1"]
+    rows = setup_from_recipe(load_recipe(TINY, parse_overrides(mix)), 1)
+    assert rows.seq == 4096 and rows.pads and tokens(rows) == 2 * 4096
+    shared = setup_from_recipe(load_recipe(TINY, parse_overrides([*mix, "--data.shared_prompt", "true"])), 1)
+    costliest = max(tokens_of_pair(p, c, r, 0.2) for _, p, c, r in mixed_lengths(50, 4096, 2))
+    assert shared.pair_tokens == costliest and tokens(shared) == costliest

@@ -118,6 +118,8 @@ def test_bench_command_layers_configuration_over_neutral_base():
         "rejected_tokens": 369,
     }
     assert long["--memory.padding_mask"] == "keep"  # the library-only setups pass TRL's mask
+    mixed = dict(zip(*[iter(build_command(args, "stock", 4096, "/tmp/x/run", "mixed")[2:-1])] * 2))
+    assert json.loads(mixed["--data.synthetic"]) == {"pairs": 32, "seq_tokens": 4096, "mix_seed": 0}
     z3 = parse_args(["--out", "/tmp/x", "--gpus", "8"])
     cmd = build_command(z3, "stock", 12288, "/tmp/x/run")
     assert os.path.basename(cmd[0]) == "deepspeed" and cmd[1:3] == ["--num_gpus", "8"]
@@ -315,45 +317,6 @@ def test_bench_run_past_its_timeout_is_a_row_not_a_crash(tmp_path):
     )
     assert [r["rc"] for r in results] == [124, 124]
     assert (tmp_path / "results.md").read_text().count("| timed out |") == 2
-
-
-def test_model_flops_and_mfu_by_hand():
-    from longdpo.levers import LeverSet
-    from longdpo.planner.plan import Setup, model_flops_per_step
-    from tools.bench_memory import add_mfu
-
-    s = Setup(params=1000, layer_params=100, embed_params=200, layers=2, hidden=8, seq=16, batch=1)
-    tokens = 2 * 16  # chosen + rejected
-    forward = 2 * (1000 - 200) * tokens + 2 * 2 * 2 * 16**2 * 8  # matmuls + causal attention (2 seqs, 2 layers)
-    assert model_flops_per_step(s, attn_width=8) == 4 * forward  # policy fwd + bwd (3x) + reference fwd (1x)
-    assert model_flops_per_step(s, attn_width=8, with_reference=False) == 3 * forward
-    row = {"step_time_s": 2.0}
-    add_mfu(
-        row,
-        {"matmul_tflops": 100.0},
-        (Setup(params=12 * 10**9, layer_params=1, embed_params=10**9, layers=40, hidden=5120, seq=12288), 4096),
-    )
-    flops = 4 * (2 * 11 * 10**9 * 24576 + 2 * 2 * 40 * 12288**2 * 4096)
-    assert row["model_tflops_per_step"] == round(flops / 1e12, 2)
-    assert row["mfu"] == round(row["model_tflops_per_step"] / (2.0 * 100.0), 4)
-    no_gpu = {"step_time_s": 2.0}
-    add_mfu(no_gpu, {"matmul_tflops": None}, (s, 8))
-    assert no_gpu["mfu"] is None
-    # pairs as run, padding left out: prompt 4, chosen 12, rejected 6 (TRL pads the rejected row to 16)
-    rows = 2 * 800 * (16 + 10) + 2 * 2 * (16**2 + 10**2) * 8
-    assert model_flops_per_step(s, 8, pair=(4, 12, 6)) == 4 * rows
-    # one shared row [P, C, R]: 22 tokens; R's 6 queries see the prompt's 4 keys and, causally, their own 6
-    shared = Setup(**{**s.__dict__, "levers": LeverSet(shared_prompt=True), "pair_tokens": 4 + 12 + 6 + 1})
-    pairs = 16**2 / 2 + 6 * 4 + 6**2 / 2  # (query, key) pairs: causal over [P, C], then R
-    assert model_flops_per_step(shared, 8, pair=(4, 12, 6)) == 4 * (2 * 800 * 22 + 2 * 4 * pairs * 8)
-    # the benchmark reads the pair from the row's command: an unequal row gets its MFU, from its real tokens
-    big = Setup(params=12 * 10**9, layer_params=1, embed_params=10**9, layers=40, hidden=5120, seq=12288)
-    spec = '{"pairs": 4, "seq_tokens": 12288, "prompt_tokens": 1024, "rejected_tokens": 10000}'
-    unequal = {"step_time_s": 2.0, "command": f"python launch/train_dpo.py --data.synthetic '{spec}'"}
-    add_mfu(unequal, {"matmul_tflops": 100.0}, (big, 4096))
-    want = model_flops_per_step(big, 4096, pair=(1024, 11264, 10000)) / 1e12
-    assert unequal["model_tflops_per_step"] == round(want, 2) < row["model_tflops_per_step"]
-    assert unequal["mfu"] == round(unequal["model_tflops_per_step"] / (2.0 * 100.0), 4)
 
 
 @pytest.mark.launcher
