@@ -33,6 +33,12 @@ from longdpo.planner.plan import checkpoint_bytes, checkpoints_kept, count_param
 logger = logging.getLogger(__name__)
 
 
+def deepspeed_config_path(recipe: Recipe) -> str | None:
+    """The DeepSpeed config this launch runs with: the recipe's (`deepspeed`, or the launcher's positional JSON), else
+    the one `accelerate launch` was given, else None (one process without DeepSpeed)."""
+    return recipe.trainer.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+
+
 def check_deepspeed_config(path: str) -> dict:
     if not os.path.isfile(resolve_path(path)):
         raise RecipeError(f"DeepSpeed config {path!r} does not exist; pass one of ds_configs/*.json.")
@@ -549,7 +555,7 @@ def check_disk_space(recipe, output_dir: str, final_save: bool) -> str | None:
         return None
     t = recipe.trainer
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
-    ds_path = t.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    ds_path = deepspeed_config_path(recipe)
     zero3 = bool(ds_path) and check_deepspeed_config(ds_path).get("zero_optimization", {}).get("stage") == 3
     final, lora = params * dtype_bytes, 0
     if recipe.model.use_peft:  # the adapters (fp32), and the merged model when asked

@@ -23,6 +23,11 @@ wrap model modules' forwards on the instance (longdpo/model/) and are not librar
 6. TRL 1.16's model card names the base model by Hub id only: a local directory or a random initialisation read
    "a fine-tuned version of [None](https://huggingface.co/None)" and `pipeline(model="None")`, seen in the card of
    every run from a local model. The card is rewritten after saving (`name_model_card`).
+7. DeepSpeed 0.19.8, ZeRO-3 loading a universal checkpoint (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`)
+   gives every optimizer sub-group the same `step` tensor; torch's fused AdamW then increments it once per sub-group
+   per step, and Adam's bias correction runs ahead: a run resumed that way drifted from the uninterrupted one from its
+   second step (tiny model, 2 sub-groups: 6.7e-5 in the loss, then 1.8e-3). Each sub-group gets its own copy
+   (`separate_universal_steps`).
 
 This module is imported before the recipe's allocator setting is applied, when torch must not be imported yet: the
 imports of torch and of the libraries that import it wait inside the functions.
@@ -106,6 +111,25 @@ def quiet_deprecation_warnings() -> None:
     warnings.filterwarnings(
         "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
     )
+
+
+def separate_universal_steps() -> None:
+    """7 above."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    load = Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+    if getattr(load, "_longdpo_steps", False):
+        return
+
+    def load_with_own_steps(self, checkpoint_dir):
+        load(self, checkpoint_dir)
+        for flat in self.fp32_partitioned_groups_flat:
+            state = self.optimizer.state.get(flat)
+            if state and hasattr(state.get("step"), "clone"):
+                state["step"] = state["step"].clone()
+
+    load_with_own_steps._longdpo_steps = True
+    Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = load_with_own_steps
 
 
 def name_model_card(output_dir: str, base: str) -> None:

@@ -1,4 +1,4 @@
-"""Complete checkpoints, and the one a run resumes from.
+"""Complete checkpoints, and the one a run resumes from, on any number of ranks.
 
 After every rank has written its part of `checkpoint-N` (ZeRO shards included), rank 0 writes
 `checkpoint_complete.json`, the list of every file and its size, last. A checkpoint counts as complete when that
@@ -6,15 +6,29 @@ record exists and every file in it is there with its size. Older checkpoints are
 only after the new one is complete. On resume the newest complete checkpoint is used; newer incomplete ones are moved
 aside to `incomplete-checkpoint-N` (kept, never deleted) and named in the log. A checkpoint written by another model
 (other shapes, LoRA or not, another LoRA rank) is refused before any model is built.
+
+Another number of ranks. The completion record also says how the run was laid out (`run`: its ranks and its pairs per
+optimizer step). DeepSpeed's ZeRO checkpoints hold each rank's part of the optimizer state, which only the same
+number of ranks can load; resumed on another number (a preempted 8-GPU job requeued on 4, a node more or less), the
+checkpoint is converted once into DeepSpeed's universal checkpoint (`ds_to_universal`: every parameter's fp32 weights
+and optimizer moments whole, `global_stepN_universal` beside the checkpoint's own, kept for the next requeue) and
+loaded from it (`checkpoint.load_universal`), re-partitioned for the ranks at hand. The global batch is kept (the
+checkpoint's, unless the recipe sets `data.global_batch_size`; gradient accumulation is derived anew), so the data
+order continues where it stopped. A checkpoint written under DeepSpeed resumed without it, or the reverse, is one line
+at start-up saying what to run.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 
 from longdpo.config import RecipeError
 from longdpo.model.build import load_architecture
@@ -24,8 +38,9 @@ COMPLETE = "checkpoint_complete.json"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def mark_complete(folder: str) -> None:
-    """Record every file of a finished checkpoint with its size (written last, then renamed into place)."""
+def mark_complete(folder: str, run: dict | None = None) -> None:
+    """Record every file of a finished checkpoint with its size, and `run` (how the run was laid out: `written_by`),
+    written last, then renamed into place."""
     files = {}
     for root, _, names in os.walk(folder):
         for name in names:
@@ -34,7 +49,7 @@ def mark_complete(folder: str) -> None:
                 files[os.path.relpath(path, folder)] = os.path.getsize(path)
     tmp = os.path.join(folder, COMPLETE + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"files": files}, f, indent=0)
+        json.dump({"files": files, "run": run or {}}, f, indent=0)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(folder, COMPLETE))
@@ -172,6 +187,72 @@ def check_resume_model(checkpoint: str | None, model_args) -> None:
                 f"`--resume_from_checkpoint`: {checkpoint} was written by a model with {key} {saved[key]}, and this "
                 f"recipe builds one with {key} {built[key]}; {fix}"
             )
+
+
+@dataclass(frozen=True)
+class Writer:
+    """How the run that wrote a checkpoint was laid out."""
+
+    deepspeed: bool  # DeepSpeed's optimizer state (a `latest` tag and its folder of ZeRO partitions)
+    partitions: int | None  # ZeRO partitions of the optimizer state: one per rank that wrote it
+    global_batch: int | None  # pairs per optimizer step (the completion record's; None in older checkpoints)
+
+
+def written_by(checkpoint: str) -> Writer:
+    latest = os.path.join(checkpoint, "latest")
+    partitions = None
+    if os.path.exists(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        partitions = len(glob.glob(os.path.join(checkpoint, tag, "*optim_states.pt"))) or None
+    try:
+        with open(os.path.join(checkpoint, COMPLETE)) as f:
+            run = json.load(f).get("run") or {}
+    except (OSError, ValueError):
+        run = {}
+    return Writer(os.path.exists(latest), partitions, run.get("global_batch"))
+
+
+def check_resume_layout(checkpoint: str | None, deepspeed: bool) -> None:
+    """Before any model is built: a checkpoint this launch can load, with or without DeepSpeed."""
+    if checkpoint is None:
+        return
+    writer = written_by(checkpoint)
+    weights = (
+        f"or start a new run from its weights with `--model.name_or_path {checkpoint}` (its optimizer state then "
+        "starts afresh)"
+    )
+    if writer.deepspeed and not deepspeed:
+        raise RecipeError(
+            f"`--resume_from_checkpoint`: {checkpoint} holds DeepSpeed's optimizer state ({writer.partitions} "
+            f"partitions) and this launch has no DeepSpeed config: resume it under DeepSpeed (`deepspeed --num_gpus "
+            f"N launch/train_dpo.py ds_configs/zero3.json ...`, any N), {weights}."
+        )
+    if not writer.deepspeed and deepspeed:
+        raise RecipeError(
+            f"`--resume_from_checkpoint`: {checkpoint} was written by one process without DeepSpeed, and this launch "
+            f"uses DeepSpeed: resume it as it was written (`python launch/train_dpo.py ...`, no DeepSpeed config), "
+            f"{weights}."
+        )
+
+
+def universal(checkpoint: str) -> str:
+    """The universal form of a DeepSpeed checkpoint (its optimizer state re-partitionable for any number of ranks),
+    converted once and kept beside the checkpoint's own; rank 0 calls this while the others wait. Returns its tag."""
+    with open(os.path.join(checkpoint, "latest")) as f:
+        tag = f.read().strip()
+    converted = os.path.join(checkpoint, f"{tag}_universal")
+    done = os.path.join(checkpoint, "latest_universal")  # DeepSpeed's converter writes it last
+    if os.path.exists(done) and os.path.isdir(converted):
+        return os.path.basename(converted)
+    shutil.rmtree(converted, ignore_errors=True)  # a conversion stopped half-way
+    logger.info("converting %s to DeepSpeed's universal checkpoint (once): %s", checkpoint, converted)
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
+    command += ["--input_folder", os.path.join(checkpoint, tag), "--output_folder", converted]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {checkpoint}:\n{proc.stdout[-3000:]}")
+    return os.path.basename(converted)
 
 
 def steps_done(checkpoint: str | None) -> int | None:

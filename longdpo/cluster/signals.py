@@ -95,7 +95,10 @@ class ResilienceCallback(TrainerCallback):
     global gradient norm is not finite (stage3.py `step`: an invalid norm counts as an overflow, the gradients are
     cleared); a non-finite loss there is skipped the same way once its gradients are non-finite, as a NaN loss's are."""
 
-    def __init__(self, signals: list[str], keep: int | None, on_nonfinite: str = "stop"):
+    def __init__(self, signals: list[str], keep: int | None, on_nonfinite: str = "stop", layout: dict | None = None):
+        """`layout`: how the run is laid out (its ranks, its pairs per optimizer step), recorded in each checkpoint's
+        completion record so that a resume on another number of ranks keeps the global batch."""
+        self.layout = layout or {}
         self.keep = keep
         self.skip = on_nonfinite == "skip"
         self.skipped: list[tuple[int, str]] = []  # (step, quantity) left out with `skip`
@@ -168,7 +171,7 @@ class ResilienceCallback(TrainerCallback):
             dist.barrier()  # every rank's files (ZeRO shards) are written
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if state.is_world_process_zero and os.path.isdir(folder):
-            mark_complete(folder)
+            mark_complete(folder, self.layout)
             rotate(args.output_dir, self.keep, state.best_model_checkpoint)
             if self.preempted_at is not None:
                 with open(os.path.join(args.output_dir, PREEMPTED), "w") as f:

@@ -10,7 +10,7 @@ import os
 import psutil
 import torch
 
-from longdpo.checks import check_deepspeed_config
+from longdpo.checks import check_deepspeed_config, deepspeed_config_path
 from longdpo.config import RecipeError
 from longdpo.planner import plan as planner
 
@@ -31,7 +31,7 @@ def gpu_memory_gb(recipe) -> float | None:
 def planned(recipe, world_size: int, gpu_memory: float | None = None, pairs=None):
     """The plan of this launch: the launcher's ranks per node, the DeepSpeed config it was given. `pairs`: the data's
     (prompt, chosen, rejected) token counts where the plan depends on them (longdpo.planner.plan.needs_pairs)."""
-    ds_path = recipe.trainer.get("deepspeed") or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    ds_path = deepspeed_config_path(recipe)
     ds = check_deepspeed_config(ds_path) if ds_path else None
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     budget = gpu_memory if gpu_memory is not None else gpu_memory_gb(recipe)

@@ -22,7 +22,6 @@ from longdpo.levers import levers, replica_ranks
 from longdpo.model import lora
 from longdpo.model.emulation import local_parameters
 from longdpo.patches import name_model_card
-from longdpo.planner.plan import count_params
 from longdpo.planner.preflight import oom_report
 from longdpo.train import say_recipe_error
 from longdpo.training.flops import StepFlops
@@ -105,11 +104,14 @@ def build_trainer(start: StartUp, guard, pairs: Pairs, models: Models) -> Recipe
         raise RecipeError(f"TRL's DPOTrainer refuses this recipe: {e}") from None
     for lever in levers():
         lever.wrap_trainer(recipe.levers, trainer, build)
-    config = models.policy.config
-    total, _, embed = count_params(config)
+    if start.load_universal:  # the engine, built when training starts, loads the re-partitioned optimizer state
+        trainer.accelerator.state.deepspeed_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
+    policy = models.policy  # its own parameters (ZeRO-3 partitions them: their whole sizes), LoRA's adapters aside
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in policy.parameters())
+    embed = policy.get_input_embeddings().weight
     trainer.step_flops = StepFlops(
-        config,
-        matmul_params=total - embed,
+        policy.config,
+        matmul_params=total - getattr(embed, "ds_numel", embed.numel()),
         lora=recipe.model.use_peft,
         with_reference=not build.args.precompute_ref_log_probs,
         shards=replica_ranks(recipe.levers),

@@ -18,14 +18,22 @@ from longdpo.checks import (
     check_optimizer,
     check_processes_per_gpu,
     check_recipe,
+    deepspeed_config_path,
     resolve_report_to,
 )
-from longdpo.cluster.checkpoints import check_resume_model, resolve_resume, steps_done
+from longdpo.cluster.checkpoints import (
+    check_resume_layout,
+    check_resume_model,
+    resolve_resume,
+    steps_done,
+    universal,
+    written_by,
+)
 from longdpo.cluster.distributed import process_group, stale_build_locks
 from longdpo.cluster.output_dir import PREEMPTED, EarlierRun, check_output_dir
 from longdpo.cluster.signals import ResilienceCallback
 from longdpo.config import RecipeError, load_recipe, trainer_default
-from longdpo.levers import Build, levers
+from longdpo.levers import Build, levers, replica_ranks
 from longdpo.planner.plan import needs_pairs
 from longdpo.planner.preflight import preflight
 from longdpo.training.callbacks import MemoryCallback
@@ -47,10 +55,13 @@ class StartUp:
         self.pairs = None  # the data's token counts, where the plan depends on them
         self.build = Build(world_size=self.world_size, is_main=self.is_main, state={"allocator": allocator_record})
         self.memory_callback = MemoryCallback(recipe.memory, self.build.step_telemetry, label=recipe.levers.name)
+        self.load_universal = False  # the checkpoint's optimizer state is re-partitioned for this launch's ranks
         problems = Problems()
         if torch.cuda.is_available():
             with problems.check():
                 check_processes_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+        with problems.check():
+            self._resume_layout()
         with problems.check():
             check_recipe(recipe, world_size=self.world_size, cuda_available=torch.cuda.is_available())
         names = []
@@ -61,6 +72,20 @@ class StartUp:
             with problems.check():
                 self._preflight(problems_found=bool(problems.found))
         problems.raise_if_any()
+
+    def _resume_layout(self) -> None:
+        """The checkpoint to resume, looked at before anything is loaded (rank 0 moves incomplete ones aside later):
+        one this launch can load, and its global batch kept where the recipe does not set one."""
+        if self.cli["resume"] is None:
+            return
+        checkpoint = resolve_resume(self.cli["resume"], self.output_dir, is_main=False)
+        check_resume_layout(checkpoint, deepspeed_config_path(self.recipe) is not None)
+        writer = written_by(checkpoint) if checkpoint else None
+        data = self.recipe.data
+        if writer and writer.partitions not in (None, self.world_size) and data.global_batch_size is None:
+            data.global_batch_size = writer.global_batch
+            if self.is_main and writer.global_batch:
+                logger.info("data.global_batch_size %d, as the checkpoint was trained", writer.global_batch)
 
     def _preflight(self, problems_found: bool = False) -> None:
         try:
@@ -125,7 +150,9 @@ class StartUp:
         if cap and torch.cuda.is_available():
             total = torch.cuda.get_device_properties(args.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total), args.device)
-        guard = ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints, recipe.run.on_nonfinite)
+        pairs_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        layout = {"ranks": args.world_size, "global_batch": pairs_per_step // replica_ranks(recipe.levers)}
+        guard = ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints, recipe.run.on_nonfinite, layout)
         return args, guard
 
     def resume_point(self, args: DPOConfig) -> str | None:
@@ -139,6 +166,21 @@ class StartUp:
         if not self.is_main:
             resume = resolve_resume(requested, args.output_dir, False)
         check_resume_model(resume, self.recipe.model)
+        writer = written_by(resume) if resume else None
+        if writer and writer.deepspeed and writer.partitions != args.world_size:
+            if self.is_main:
+                universal(resume)
+                logger.info(
+                    "%s was written by %s ranks, this launch has %d: its optimizer state is loaded from DeepSpeed's "
+                    "universal checkpoint, re-partitioned",
+                    resume,
+                    writer.partitions,
+                    args.world_size,
+                )
+            if dist:
+                dist.barrier()
+            patches.separate_universal_steps()
+            self.load_universal = True
         marker = os.path.join(args.output_dir, PREEMPTED)
         if self.is_main and os.path.exists(marker):
             os.remove(marker)
