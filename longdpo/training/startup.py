@@ -56,6 +56,7 @@ class StartUp:
         self.build = Build(world_size=self.world_size, is_main=self.is_main, state={"allocator": allocator_record})
         self.memory_callback = MemoryCallback(recipe.memory, self.build.step_telemetry, label=recipe.levers.name)
         self.load_universal = False  # the checkpoint's optimizer state is re-partitioned for this launch's ranks
+        self.notes: list[str] = []  # start-up lines for the log, said once it is set up
         problems = Problems()
         if torch.cuda.is_available():
             with problems.check():
@@ -84,8 +85,8 @@ class StartUp:
         data = self.recipe.data
         if writer and writer.partitions not in (None, self.world_size) and data.global_batch_size is None:
             data.global_batch_size = writer.global_batch
-            if self.is_main and writer.global_batch:
-                logger.info("data.global_batch_size %d, as the checkpoint was trained", writer.global_batch)
+            if writer.global_batch:  # said once logging is set up (with TRL's arguments)
+                self.notes.append(f"data.global_batch_size {writer.global_batch}, as the checkpoint was trained")
 
     def _preflight(self, problems_found: bool = False) -> None:
         try:
@@ -144,6 +145,8 @@ class StartUp:
         level = logging.INFO if self.is_main else logging.WARNING
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=level)
         logging.getLogger("longdpo").setLevel(level)
+        for note in self.notes if self.is_main else ():
+            logger.info(note)
         if not self.waits_for_pairs:
             self._all_checked()
         cap = recipe.memory.memory_cap_gb

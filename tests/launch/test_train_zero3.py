@@ -189,3 +189,124 @@ def test_shared_prompt_on_two_ranks_equals_two_rows_on_one(ds1, ds2, tmp_path):
     shutil.copytree(os.path.join(ds2, "checkpoint-2"), resumed / "checkpoint-2")
     run_train(resumed, *STEPS, *shared, "--resume_from_checkpoint", "true", launcher="deepspeed", procs=2)
     assert summary(resumed)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5)
+
+
+# ---- resume on another number of ranks ---------------------------------------------------------------------------
+
+
+def moments(checkpoint) -> dict:
+    """Every parameter's Adam second moment in a ZeRO-3 checkpoint, whole (its universal form, converted once)."""
+    from longdpo.cluster.checkpoints import universal
+
+    folder = os.path.join(checkpoint, universal(str(checkpoint)), "zero")  # a folder per parameter
+    names = [name for name in os.listdir(folder) if os.path.isdir(os.path.join(folder, name))]
+    return {name: torch.load(os.path.join(folder, name, "exp_avg_sq.pt")) for name in names}
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one(ds2, tmp_path):
+    """Saved by 2 ranks x 2 pairs, resumed by 1 rank: the optimizer state is re-partitioned from DeepSpeed's universal
+    checkpoint, converted once beside the checkpoint; the global batch (4 pairs) is the checkpoint's, so 1 rank
+    accumulates 2 micro-batches; the curve and the optimizer state at step 4 are the uninterrupted run's (the float32
+    sums differ only in order: measured 2e-8 in the loss)."""
+    shutil.copytree(os.path.join(ds2, "checkpoint-2"), tmp_path / "checkpoint-2")
+    proc = run_train(
+        tmp_path,
+        *STEPS,
+        "--per_device_train_batch_size",
+        "2",
+        "--resume_from_checkpoint",
+        "auto",
+        launcher="deepspeed",
+        procs=1,
+    )
+    assert "written by 2 ranks, this launch has 1" in proc.stdout
+    assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5)
+    assert [json.loads(line)["step"] for line in open(tmp_path / "memory.jsonl")] == [3, 4]  # resumed, not restarted
+    # the optimizer state was carried, not started afresh: Adam's moments at step 4 are the uninterrupted run's
+    resumed, straight = moments(tmp_path / "checkpoint-4"), moments(os.path.join(ds2, "checkpoint-4"))
+    assert resumed.keys() == straight.keys()
+    for name, tensor in straight.items():
+        assert torch.allclose(resumed[name], tensor, rtol=1e-4, atol=1e-12), name
+    converted = tmp_path / "checkpoint-2" / "latest_universal"
+    before = converted.stat().st_mtime_ns
+    moments(tmp_path / "checkpoint-2")  # a second requeue finds it converted
+    assert converted.stat().st_mtime_ns == before
+
+
+@pytest.fixture(scope="module")
+def ds2_six(tmp_path_factory):
+    """2 ranks x 1 pair x 3 micro-batches: 6 pairs a step, which 1, 2, 3 or 6 ranks can share."""
+    out = tmp_path_factory.mktemp("ds2_six")
+    run_train(
+        out,
+        *STEPS,
+        "--per_device_train_batch_size",
+        "1",
+        "--data.global_batch_size",
+        "6",
+        launcher="deepspeed",
+        procs=2,
+    )
+    return out
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_three(ds2_six, tmp_path):
+    """The recipe sets no global batch: the checkpoint's 6 pairs are kept (3 ranks x 1 pair x 2 micro-batches)."""
+    shutil.copytree(os.path.join(ds2_six, "checkpoint-2"), tmp_path / "checkpoint-2")
+    proc = run_train(
+        tmp_path,
+        *STEPS,
+        "--per_device_train_batch_size",
+        "1",
+        "--resume_from_checkpoint",
+        "true",
+        launcher="deepspeed",
+        procs=3,
+    )
+    assert "data.global_batch_size 6, as the checkpoint was trained" in proc.stdout
+    assert summary(tmp_path)["world_size"] == 3
+    assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2_six)["losses"], abs=1e-5)
+
+
+def test_a_checkpoint_of_one_rank_resumes_on_two(ds1, tmp_path):
+    shutil.copytree(os.path.join(ds1, "checkpoint-2"), tmp_path / "checkpoint-2")
+    run_train(
+        tmp_path,
+        *STEPS,
+        "--per_device_train_batch_size",
+        "2",
+        "--resume_from_checkpoint",
+        "true",
+        launcher="deepspeed",
+        procs=2,
+    )
+    assert summary(tmp_path)["losses"] == pytest.approx(summary(ds1)["losses"], abs=1e-5)
+
+
+def test_what_cannot_resume_is_one_line_before_any_model(ds1, ds2_six, tmp_path):
+    """A DeepSpeed checkpoint in one process, a one-process checkpoint under DeepSpeed, a global batch the ranks at
+    hand cannot share: each one line naming what to run, exit status 2, before any model is built."""
+    zero3 = os.path.join(ROOT, "ds_configs", "zero3.json")
+    shutil.copytree(os.path.join(ds1, "checkpoint-2"), tmp_path / "a" / "checkpoint-2")
+    alone = run_train(tmp_path / "a", *STEPS, "--resume_from_checkpoint", "true", check=False)
+    assert alone.returncode == 2 and "holds DeepSpeed's optimizer state (1 partitions)" in alone.stdout
+    assert "Traceback" not in alone.stdout
+    run_train(tmp_path / "b", "--max_steps", "1", "--save_steps", "1", "--report_to", "none")  # one process
+    under = run_train(
+        tmp_path / "b", "--max_steps", "2", "--resume_from_checkpoint", "true", "--deepspeed", zero3, check=False
+    )
+    assert under.returncode == 2 and "was written by one process without DeepSpeed" in under.stdout
+    shutil.copytree(os.path.join(ds2_six, "checkpoint-2"), tmp_path / "c" / "checkpoint-2")
+    four = run_train(
+        tmp_path / "c",
+        *STEPS,
+        "--per_device_train_batch_size",
+        "1",
+        "--resume_from_checkpoint",
+        "true",
+        "--deepspeed",
+        zero3,
+        env={"WORLD_SIZE": "4"},
+        check=False,
+    )
+    assert four.returncode == 2 and "`data.global_batch_size: 6` is not a multiple of" in four.stdout
