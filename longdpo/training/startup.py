@@ -76,17 +76,21 @@ class StartUp:
 
     def _resume_layout(self) -> None:
         """The checkpoint to resume, looked at before anything is loaded (rank 0 moves incomplete ones aside later):
-        one this launch can load, and its global batch kept where the recipe does not set one."""
+        one this launch can load, and the global batch it trained with kept, unless the command line sets one (a
+        requeue on other nodes keeps its data order)."""
         if self.cli["resume"] is None:
             return
         checkpoint = resolve_resume(self.cli["resume"], self.output_dir, is_main=False)
         check_resume_layout(checkpoint, deepspeed_config_path(self.recipe) is not None)
-        writer = written_by(checkpoint) if checkpoint else None
-        data = self.recipe.data
-        if writer and writer.partitions not in (None, self.world_size) and data.global_batch_size is None:
-            data.global_batch_size = writer.global_batch
-            if writer.global_batch:  # said once logging is set up (with TRL's arguments)
-                self.notes.append(f"data.global_batch_size {writer.global_batch}, as the checkpoint was trained")
+        recorded = written_by(checkpoint).global_batch if checkpoint else None
+        data, given = self.recipe.data, "global_batch_size" in (self.cli["overrides"].get("data") or {})
+        if recorded and not given and data.global_batch_size != recorded:
+            recipe_says = f"; the recipe says {data.global_batch_size}" if data.global_batch_size else ""
+            self.notes.append(
+                f"data.global_batch_size {recorded}, as the checkpoint was trained{recipe_says} (pass "
+                "--data.global_batch_size to change it)"
+            )
+            data.global_batch_size = recorded
 
     def _preflight(self, problems_found: bool = False) -> None:
         try:
