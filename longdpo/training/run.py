@@ -215,6 +215,14 @@ def save(start: StartUp, trainer, pairs: Pairs) -> None:
         name_model_card(
             output_dir, model_args.name_or_path or f"a random initialisation of `{model_args.architecture}`"
         )
+        if model_args.use_peft:
+            logger.info(
+                "saved the adapter to %s: PeftModel.from_pretrained(base_model, %r) loads it", output_dir, output_dir
+            )
+        else:
+            logger.info(
+                "saved the model to %s: AutoModelForCausalLM.from_pretrained(%r) loads it", output_dir, output_dir
+            )
         if model_args.lora_save_merged:
             logger.info(
                 "adapter merged into the base weights: %s", lora.save_merged(output_dir, model_args, pairs.tokenizer)
