@@ -14,10 +14,10 @@ import shlex
 from longdpo.checks import check_deepspeed_config
 from longdpo.config import ModelArgs, load_recipe, parse_cli
 from longdpo.data.synthetic import spec_pairs
-from longdpo.levers import LeverSet, levers
+from longdpo.levers import LeverSet, setup_facts
 from longdpo.model.build import load_architecture
 from longdpo.planner.cli import positive_int
-from longdpo.planner.plan import Setup, count_params, setup_from_recipe
+from longdpo.planner.plan import Setup, model_shape, setup_from_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "results", "**", "results.json")
@@ -70,17 +70,10 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
     recipe = load_recipe(os.path.join(ROOT, bench.recipe))
     lever_set = LeverSet.read(row["config"])
     arch = load_architecture(ModelArgs(**{**recipe.model.__dict__, "num_hidden_layers": bench.layers}))
-    total, layer, embed = count_params(arch)
-    seq, facts = row["seq_tokens"], {}
-    pairs = spec_pairs(synthetic_spec(row["command"]), seq)
-    for lever in levers():
-        facts.update(lever.setup_facts(lever_set, recipe, seq, pairs, synthetic=True))
+    seq = row["seq_tokens"]
+    facts = setup_facts(lever_set, recipe, seq, spec_pairs(synthetic_spec(row["command"]), seq), synthetic=True)
     return Setup(
-        params=total,
-        layer_params=layer,
-        embed_params=embed,
-        layers=arch.num_hidden_layers,
-        hidden=arch.hidden_size,
+        **model_shape(arch),
         seq=seq,
         ranks=bench.gpus,
         ranks_per_node=bench.gpus,

@@ -213,6 +213,14 @@ def replica_ranks(s: LeverSet) -> int:
     return out
 
 
+def setup_facts(s: LeverSet, recipe, seq: int, pairs, synthetic: bool) -> dict:
+    """The planner's Setup facts every lever takes from the pairs' (prompt, chosen, rejected) token counts."""
+    facts = {}
+    for lever in levers():
+        facts.update(lever.setup_facts(s, recipe, seq, pairs, synthetic))
+    return facts
+
+
 def known_tokens() -> list[str]:
     """What a name may hold, for error messages: `stock`, then each lever's tokens as its `tokens` attribute lists
     them."""

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 
 from longdpo.config import Recipe, RecipeError, trainer_default
 from longdpo.data.synthetic import spec_pairs, synthetic_pair
-from longdpo.levers import LeverSet, levers
+from longdpo.levers import LeverSet, levers, setup_facts
 from longdpo.model.build import load_architecture
 from longdpo.model.lora import adapter_params
 
@@ -171,6 +171,18 @@ def count_params(config) -> tuple[int, int, int]:
     embed = v * h
     total = layer * config.num_hidden_layers + embed * (1 if config.tie_word_embeddings else 2) + h
     return total, layer, embed
+
+
+def model_shape(config) -> dict:
+    """The Setup fields a model's configuration gives: its parameter counts, layers and width."""
+    total, layer, embed = count_params(config)
+    return {
+        "params": total,
+        "layer_params": layer,
+        "embed_params": embed,
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+    }
 
 
 def load_calibration(path: str = CALIBRATION) -> dict:
@@ -307,7 +319,6 @@ def setup_from_recipe(
     """`pairs`: (prompt, chosen, rejected) tokens of each pair measured on the data (longdpo.data.lengths), where
     `needs_pairs` says the plan depends on them; synthetic pairs say their shape themselves."""
     arch = load_architecture(recipe.model)
-    total, layer, embed = count_params(arch)
     lora_params = 0
     if recipe.model.use_peft:
         lora_params = adapter_params(recipe.model)
@@ -316,16 +327,9 @@ def setup_from_recipe(
     seq = planned_length(recipe, max((p + max(c, r) for p, c, r in pairs), default=0) if pairs else None)
     if spec:
         pairs = spec_pairs(spec, seq)
-    facts = {}
-    for lever in levers():
-        if pairs is not None:
-            facts.update(lever.setup_facts(recipe.levers, recipe, seq, pairs, synthetic=bool(spec)))
+    facts = setup_facts(recipe.levers, recipe, seq, pairs, synthetic=bool(spec)) if pairs is not None else {}
     return Setup(
-        params=total,
-        layer_params=layer,
-        embed_params=embed,
-        layers=arch.num_hidden_layers,
-        hidden=arch.hidden_size,
+        **model_shape(arch),
         seq=seq,
         batch=t.get("per_device_train_batch_size", trainer_default("per_device_train_batch_size")),
         ranks=gpus * nodes,
