@@ -25,12 +25,10 @@ from pathlib import Path
 
 import yaml
 
+from longdpo.recipe_values import RecipeError, dpo_fields, is_number, trainer_default  # noqa: F401  (re-exported: the schema is where callers look for them)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = Path(__file__).resolve().parent / "recipes"  # the recipes folder, where the package is installed
-
-
-class RecipeError(ValueError):
-    """A recipe or command-line problem; the message says which key or flag fixes it."""
 
 
 @dataclass
@@ -186,18 +184,6 @@ class Recipe:
     path: str | None = None
 
 
-def _dpo_fields() -> dict[str, dataclasses.Field]:
-    from trl import DPOConfig  # waits: this module is read before torch is imported (`read_raw`, `parse_cli`)
-
-    return {f.name: f for f in dataclasses.fields(DPOConfig) if f.init}
-
-
-def trainer_default(name: str):
-    """TRL's default for a top-level recipe key (a DPOConfig field), read from DPOConfig itself."""
-    f = _dpo_fields()[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
 def _suggest(key: str, valid) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
     return f" Did you mean `{close[0]}`?" if close else ""
@@ -330,13 +316,13 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
 
     raw = read_raw(path, overrides)
 
-    dpo_fields = _dpo_fields()
+    fields = dpo_fields()
     built = {name: _build_section(name, raw.get(name)) for name in SECTIONS}
     trainer = {}
     for key, value in raw.items():
         if key in SECTIONS:
             continue
-        if key not in dpo_fields:
+        if key not in fields:
             home = next(
                 (name for name, cls in SECTIONS.items() if cls and key in {f.name for f in dataclasses.fields(cls)}),
                 keys()[key][1].section if key in keys() else None,
@@ -346,12 +332,12 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
                     f"`{key}` is a `{home}:` key: write `{home}.{key}` in the recipe "
                     f"(`--{home}.{key}` on the command line)."
                 )
-            valid = list(dpo_fields) + list(SECTIONS)
+            valid = list(fields) + list(SECTIONS)
             raise RecipeError(
                 f"Unknown key `{key}`: not a DPOConfig field nor a section (model/data/memory/parallelism/run)."
                 f"{_suggest(key, valid)}"
             )
-        trainer[key] = _coerce(value, dpo_fields[key].type, key)
+        trainer[key] = _coerce(value, fields[key].type, key)
     lever_values = {name: values for name, (_, values) in built.items()}
     return Recipe(
         model=built["model"][0],
@@ -362,12 +348,6 @@ def load_recipe(path: str | os.PathLike | None, overrides: dict | None = None) -
         levers=LeverSet.from_recipe({**lever_values, "trainer": trainer}),
         path=str(path) if path is not None else None,
     )
-
-
-def is_number(value, whole: bool = False) -> bool:
-    """An int (or, unless `whole`, a float) as a recipe value: YAML's `true` is a bool, which Python counts as an
-    int, and is not a number here."""
-    return not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
 
 
 def resolve_path(p: str) -> str:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 
 # TRL's trainers send a usage ping to huggingface.co from a background thread; training needs no network, so none
 # unless the user asks for it (HF_HUB_DISABLE_TELEMETRY=0). huggingface_hub reads this once, at import.
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from longdpo import patches  # noqa: E402
+from longdpo.cluster.distributed import say_recipe_error  # noqa: E402
 from longdpo.config import HelpRequested, RecipeError, describe_keys, parse_cli, read_raw  # noqa: E402
 from longdpo.levers import allocator  # noqa: E402
 
@@ -48,22 +48,6 @@ per_device_train_batch_size, ...: https://huggingface.co/docs/trl/dpo_trainer); 
 Shipped recipes: recipes/*/ (tiny_mistral, nemotron12b, llama3_8b, qwen2_5_14b, qwen3_14b). Will it fit:
 python launch/plan_memory.py --recipe <yaml> --gpus 8 --gpu-memory 80GB.
 """
-
-
-ERROR_GRACE_S = 10  # how long a rank other than 0 waits before saying an error rank 0 says too
-
-
-def say_recipe_error(error: RecipeError) -> int:
-    """A recipe's mistake is every rank's: said once, by rank 0. Returns the exit status, 2.
-
-    The launchers end every rank as soon as one exits with an error: a rank that returned at once was seen (1 run in
-    4, 2 CPU ranks) to get rank 0 killed before it printed. So the other ranks wait for rank 0 to say it, and say it
-    themselves only if still alive then (the error was theirs alone)."""
-    if int(os.environ.get("RANK", 0)) != 0:
-        time.sleep(ERROR_GRACE_S)
-    for line in str(error).splitlines():
-        print(f"error: {line}", file=sys.stderr)
-    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import glob
 import os
 import signal
 import subprocess
+import sys
 import time
 
 
@@ -69,3 +70,19 @@ def gather(value) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+ERROR_GRACE_S = 10  # how long a rank other than 0 waits before saying an error rank 0 says too
+
+
+def say_recipe_error(error: Exception) -> int:
+    """A recipe's mistake is every rank's: said once, by rank 0. Returns the exit status, 2.
+
+    The launchers end every rank as soon as one exits with an error: a rank that returned at once was seen (1 run in
+    4, 2 CPU ranks) to get rank 0 killed before it printed. So the other ranks wait for rank 0 to say it, and say it
+    themselves only if still alive then (the error was theirs alone)."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        time.sleep(ERROR_GRACE_S)
+    for line in str(error).splitlines():
+        print(f"error: {line}", file=sys.stderr)
+    return 2

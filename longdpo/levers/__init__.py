@@ -36,7 +36,7 @@ import json
 import pkgutil
 from dataclasses import dataclass, field
 
-from longdpo.config import RecipeError, trainer_default
+from longdpo.recipe_values import RecipeError, trainer_default
 
 SECTIONS = ("memory", "data", "parallelism", "trainer")  # where lever keys live; `trainer`: a field of TRL's DPOConfig
 # TRL's DPOTrainer as a user gets it: transformers' layer checkpoint and TRL's padding mask, none of our levers

@@ -23,8 +23,8 @@ import os
 import sys
 from dataclasses import replace
 
-from longdpo.config import RecipeError
 from longdpo.levers import Key, Lever
+from longdpo.recipe_values import RecipeError
 
 logger = logging.getLogger(__name__)
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch >= 2.9 reads the second, older the first

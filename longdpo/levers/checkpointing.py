@@ -27,10 +27,10 @@ import difflib
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from longdpo.config import RecipeError
 from longdpo.levers import Key, Lever
 from longdpo.model.families import decoder_modules
 from longdpo.model.forwards import counted
+from longdpo.recipe_values import RecipeError
 
 INNER = {"attn_mlp": ("attn", "mlp"), "norm_attn": ("norm", "attn"), "norm_attn_mlp": ("norm", "attn", "mlp")}
 POLICIES = ["none", "layer", *INNER, *(f"layer+{p}" for p in INNER)]

@@ -13,8 +13,8 @@ import gc
 import torch
 from transformers import TrainerCallback
 
-from longdpo.config import RecipeError, is_number
 from longdpo.levers import Key, Lever
+from longdpo.recipe_values import RecipeError, is_number
 
 
 def empty_cache() -> None:

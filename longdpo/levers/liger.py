@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from longdpo.config import RecipeError
 from longdpo.levers import Key, Lever
+from longdpo.recipe_values import RecipeError
 
 PIN = "liger-kernel==0.8.5"
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from longdpo.config import RecipeError, is_number
 from longdpo.levers import Key, Lever
 from longdpo.model.families import decoder_modules
 from longdpo.model.forwards import counted, in_backward
+from longdpo.recipe_values import RecipeError, is_number
 
 
 def _wrap_tiled_mlp(mlp: torch.nn.Module, shards: int) -> None:

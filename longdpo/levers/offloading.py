@@ -31,9 +31,9 @@ from collections import defaultdict
 import torch
 from trl.models import get_act_offloading_ctx_manager
 
-from longdpo.config import RecipeError, is_number
 from longdpo.levers import Key, Lever
 from longdpo.model.forwards import in_backward
+from longdpo.recipe_values import RecipeError, is_number
 
 
 class Ledger:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from longdpo.config import RecipeError
 from longdpo.levers import Key, Lever
+from longdpo.recipe_values import RecipeError
 
 SETTINGS = ("auto", "keep")
 

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from trl.trainer.utils import FusedCausalLMOutput
 
-from longdpo.config import RecipeError, is_number, trainer_default
 from longdpo.levers import Key, Lever
+from longdpo.recipe_values import RecipeError, is_number, trainer_default
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 

@@ -48,8 +48,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from trl.trainer.utils import FusedCausalLMOutput
 
-from longdpo.config import RecipeError, is_number, trainer_default
 from longdpo.levers import Key, Lever
+from longdpo.recipe_values import RecipeError, is_number, trainer_default
 
 NAME = "longdpo_shared_prompt"
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from longdpo.cluster.checkpoints import last_complete
-from longdpo.cluster.distributed import gather, max_over_ranks, process_group
+from longdpo.cluster.distributed import gather, max_over_ranks, process_group, say_recipe_error
 from longdpo.config import RecipeError
 from longdpo.data.lengths import length_report, truncation_warning
 from longdpo.levers import levers, replica_ranks
@@ -23,7 +23,6 @@ from longdpo.model import lora
 from longdpo.model.emulation import local_parameters
 from longdpo.patches import name_model_card
 from longdpo.planner.preflight import oom_report
-from longdpo.train import say_recipe_error
 from longdpo.training.flops import StepFlops
 from longdpo.training.models import Models
 from longdpo.training.pairs import Pairs
