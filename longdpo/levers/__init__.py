@@ -145,14 +145,25 @@ class Lever:
         return {}
 
     # ---- naming ---------------------------------------------------------------------------------------------------
+    # A lever named by one token that stands for one setting: (key, value, token). `spell` and `read` follow from
+    # it; the token is in the planner's coefficient class when its key is `priced`.
+    flag: tuple[str, object, str] | None = None
+
     def spell(self, s: LeverSet, priced: bool = False) -> str | None:
         """Its token in a lever set's name, None when off. `priced`: in the name of the planner's coefficient class,
         which leaves out what the planner prices by its own terms."""
-        return None
+        if self.flag is None:
+            return None
+        key, value, token = self.flag
+        in_class = next(k.priced for k in self.keys if k.name == key)
+        return token if getattr(s, key) == value and (in_class or not priced) else None
 
     def read(self, token: str) -> dict | None:
         """The settings a token of a name stands for, or None when the token is not this lever's."""
-        return None
+        if self.flag is None:
+            return None
+        key, value, own = self.flag
+        return {key: value} if token == own else None
 
     def read_base(self, name: str) -> tuple[dict, str]:
         """The base lever: (the settings the start of `name` stands for, the rest of the name)."""

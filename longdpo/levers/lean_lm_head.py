@@ -148,6 +148,7 @@ class LeanLMHead(Lever):
     name = "lean_lm_head"
     order = 50
     tokens = ("head",)
+    flag = ("lean_lm_head", True, "head")
     keys = (
         Key(
             "lean_lm_head",
@@ -168,12 +169,6 @@ class LeanLMHead(Lever):
 
     def price(self, s, setup, terms, cal):
         pass  # in the coefficients fitted per lever set (its token in the priced name)
-
-    def spell(self, s, priced=False):
-        return "head" if s.lean_lm_head else None
-
-    def read(self, token):
-        return {"lean_lm_head": True} if token == "head" else None
 
 
 LEVER = LeanLMHead()

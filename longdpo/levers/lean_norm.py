@@ -84,6 +84,7 @@ class LeanNorm(Lever):
     name = "lean_norm"
     order = 30
     tokens = ("lean",)
+    flag = ("lean_norm", True, "lean")
     keys = (
         Key(
             "lean_norm",
@@ -104,12 +105,6 @@ class LeanNorm(Lever):
 
     def price(self, s, setup, terms, cal):
         pass  # in the coefficients fitted per lever set (its token in the priced name)
-
-    def spell(self, s, priced=False):
-        return "lean" if s.lean_norm else None
-
-    def read(self, token):
-        return {"lean_norm": True} if token == "lean" else None
 
 
 LEVER = LeanNorm()

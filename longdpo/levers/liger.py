@@ -30,6 +30,7 @@ class Liger(Lever):
     name = "liger"
     order = 20
     tokens = ("liger",)
+    flag = ("use_liger_kernel", True, "liger")
     keys = (
         Key(
             "use_liger_kernel",
@@ -83,12 +84,6 @@ class Liger(Lever):
         # in the coefficients fitted per lever set; where a set with Liger was not measured, the same set without it
         # stands in: an upper bound, Liger's kernels keep less
         terms.upper_bound_without.append(("use_liger_kernel", "Liger's kernels (an upper bound: Liger keeps less)"))
-
-    def spell(self, s, priced=False):
-        return "liger" if s.use_liger_kernel else None
-
-    def read(self, token):
-        return {"use_liger_kernel": True} if token == "liger" else None
 
 
 LEVER = Liger()

@@ -65,6 +65,7 @@ class PaddingMask(Lever):
     name = "padding_mask"
     order = 90
     tokens = ("mask",)
+    flag = ("padding_mask", "keep", "mask")
     keys = (
         Key(
             "padding_mask",
@@ -117,12 +118,6 @@ class PaddingMask(Lever):
                 "memory.padding_mask: auto (no mask for right-padded pairs: attention keeps its causal kernel)",
                 s.replace(padding_mask="auto"),
             )
-
-    def spell(self, s, priced=False):
-        return "mask" if s.padding_mask == "keep" and not priced else None
-
-    def read(self, token):
-        return {"padding_mask": "keep"} if token == "mask" else None
 
 
 LEVER = PaddingMask()

@@ -212,6 +212,7 @@ class SharedPrompt(Lever):
     name = "shared_prompt"
     order = 80
     tokens = ("shared",)
+    flag = ("shared_prompt", True, "shared")
     keys = (
         Key(
             "shared_prompt",
@@ -311,12 +312,6 @@ class SharedPrompt(Lever):
 
     def price(self, s, setup, terms, cal):
         pass  # its rows' tokens are its term (geometry)
-
-    def spell(self, s, priced=False):
-        return "shared" if s.shared_prompt and not priced else None
-
-    def read(self, token):
-        return {"shared_prompt": True} if token == "shared" else None
 
 
 LEVER = SharedPrompt()
