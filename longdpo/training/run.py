@@ -126,8 +126,7 @@ def log_scale(start: StartUp, trainer, pairs: Pairs) -> dict:
     """The length report (and a warning for truncated pairs) and one line on the run's scale and levers."""
     args, recipe = start.build.args, start.recipe
     report = length_report(trainer.train_dataset, len(pairs.train), args.max_length)
-    dp_size = args.world_size // replica_ranks(recipe.levers)
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp_size
+    global_batch = start.global_batch
     if start.is_main:
         logger.info("length report (tokens per sequence = prompt + longer completion): %s", report)
         for lever in levers():
@@ -140,7 +139,7 @@ def log_scale(start: StartUp, trainer, pairs: Pairs) -> dict:
             "scale: %d ranks (%d data parallel), %d pairs per optimizer step, up to %d tokens per step "
             "(2 x max_length x pairs); levers %s; wrapped=%s",
             args.world_size,
-            dp_size,
+            start.data_parallel,
             global_batch,
             2 * (args.max_length or report["tokens_max"]) * global_batch,
             recipe.levers.name,
@@ -239,7 +238,7 @@ def write_summary(start: StartUp, trainer, guard, models: Models, report: dict, 
         "eval_logs": [h for h in trainer.state.log_history if "eval_loss" in h],
         "train_loss": result.training_loss,
         "world_size": args.world_size,
-        "data_parallel": args.world_size // replica_ranks(recipe.levers),
+        "data_parallel": start.data_parallel,
         "levers": recipe.levers.name,
         "length_report": report,
         "skipped_steps": [{"step": step, "quantity": quantity} for step, quantity in guard.skipped],

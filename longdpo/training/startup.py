@@ -56,6 +56,7 @@ class StartUp:
         self.build = Build(world_size=self.world_size, is_main=self.is_main, state={"allocator": allocator_record})
         self.memory_callback = MemoryCallback(recipe.memory, self.build.step_telemetry, label=recipe.levers.name)
         self.load_universal = False  # the checkpoint's optimizer state is re-partitioned for this launch's ranks
+        self.data_parallel = self.global_batch = 0  # ranks with their own pairs, and pairs per step (TRL's arguments)
         self.notes: list[str] = []  # start-up lines for the log, said once it is set up
         problems = Problems()
         if torch.cuda.is_available():
@@ -157,8 +158,9 @@ class StartUp:
         if cap and torch.cuda.is_available():
             total = torch.cuda.get_device_properties(args.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total), args.device)
-        pairs_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-        layout = {"ranks": args.world_size, "global_batch": pairs_per_step // replica_ranks(recipe.levers)}
+        self.data_parallel = args.world_size // replica_ranks(recipe.levers)
+        self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.data_parallel
+        layout = {"ranks": args.world_size, "global_batch": self.global_batch}
         guard = ResilienceCallback(recipe.run.save_on_signals, keep_checkpoints, recipe.run.on_nonfinite, layout)
         return args, guard
 
