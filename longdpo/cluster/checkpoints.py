@@ -251,7 +251,9 @@ def universal(checkpoint: str) -> str:
     command += ["--input_folder", os.path.join(checkpoint, tag), "--output_folder", converted]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"DeepSpeed's ds_to_universal failed on {checkpoint}:\n{proc.stdout[-3000:]}")
+        raise RuntimeError(
+            f"DeepSpeed's ds_to_universal failed on {checkpoint}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
     return os.path.basename(converted)
 
 
