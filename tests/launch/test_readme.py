@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, free_port, hub_cache, job_env
+from conftest import ROOT, RUN_TIMEOUT_S, free_port, hub_cache, job_env, run_job
 
 README = os.path.join(ROOT, "README.md")
 WALKTHROUGH = "Your model and your data on N GPUs"
@@ -27,7 +27,6 @@ CPU_OVERRIDES = (
     "--bf16 false --model.dtype float32 --use_liger_kernel false --activation_offloading false"
     " --max_length 128 --max_steps 4"
 )
-TIMEOUT_S = 300
 
 
 def sections() -> dict[str, str]:
@@ -76,16 +75,9 @@ def repo(tmp_path_factory):
 
 
 def run(command: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        ["bash", "-c", command],
-        cwd=cwd,
-        env=job_env({"HF_HUB_OFFLINE": "1", **(env or {})}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    return proc
+    """A README line as a user's shell runs it (a timeout kills the whole job, launcher ranks too)."""
+    env = job_env({"HF_HUB_OFFLINE": "1", **(env or {})})
+    return run_job(["bash", "-c", command], RUN_TIMEOUT_S, cwd=cwd, env=env, stderr=subprocess.STDOUT)
 
 
 def check(proc: subprocess.CompletedProcess, command: str, expect: str | None, statuses=(0,)) -> None:
