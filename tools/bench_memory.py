@@ -106,7 +106,7 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
     peak = agg("peak_allocated_gb", max)
     weights = steady[-1].get("weights_gb")
     # memory that stays flat: how far the peak reserved moves over the steps after the tenth (a mix of pair shapes
-    # fragments the allocator step by step), and the step it was highest at
+    # fragments the allocator step by step); every step's is kept beside it (`reserved_by_step`)
     late = [r["peak_reserved_gb"] for r in records[10:] if r.get("peak_reserved_gb") is not None]
     return {
         "peak_allocated_gb": peak,

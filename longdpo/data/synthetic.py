@@ -129,13 +129,6 @@ def spec_pairs(spec: dict, seq: int) -> list[tuple[int, int, int]]:
     return [synthetic_pair(spec, seq)]
 
 
-def synthetic_rows(spec: dict) -> list[dict]:
-    """The pairs `data.synthetic` asks for, as text."""
-    if "mix_seed" in spec:
-        return mixed_pairs(**spec)
-    return synthetic_pairs(**spec)
-
-
 def write_jsonl(rows: list[dict], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

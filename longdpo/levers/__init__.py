@@ -282,9 +282,6 @@ class LeverSet:
     def replace(self, **values) -> LeverSet:
         return LeverSet(**{**self._values, **values})
 
-    def as_dict(self) -> dict:
-        return dict(self._values)
-
     @classmethod
     def from_recipe(cls, sections: dict[str, dict]) -> LeverSet:
         """From a recipe's values by section (`memory`, `data`, `parallelism`, `trainer`): what is set there."""
