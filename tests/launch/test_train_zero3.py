@@ -203,22 +203,27 @@ def moments(checkpoint) -> dict:
     return {name: torch.load(os.path.join(folder, name, "exp_avg_sq.pt")) for name in names}
 
 
+def resumed_from(run, out, procs: int, per_device: int, resume: str = "true"):
+    """`run`'s checkpoint-2 copied into `out` and resumed there by `procs` ranks under the deepspeed launcher."""
+    shutil.copytree(os.path.join(run, "checkpoint-2"), out / "checkpoint-2")
+    return run_train(
+        out,
+        *STEPS,
+        "--per_device_train_batch_size",
+        str(per_device),
+        "--resume_from_checkpoint",
+        resume,
+        launcher="deepspeed",
+        procs=procs,
+    )
+
+
 def test_a_checkpoint_of_two_ranks_resumes_on_one(ds2, tmp_path):
     """Saved by 2 ranks x 2 pairs, resumed by 1 rank: the optimizer state is re-partitioned from DeepSpeed's universal
     checkpoint, converted once beside the checkpoint; the global batch (4 pairs) is the checkpoint's, so 1 rank
     accumulates 2 micro-batches; the curve and the optimizer state at step 4 are the uninterrupted run's (the float32
     sums differ only in order: measured 2e-8 in the loss)."""
-    shutil.copytree(os.path.join(ds2, "checkpoint-2"), tmp_path / "checkpoint-2")
-    proc = run_train(
-        tmp_path,
-        *STEPS,
-        "--per_device_train_batch_size",
-        "2",
-        "--resume_from_checkpoint",
-        "auto",
-        launcher="deepspeed",
-        procs=1,
-    )
+    proc = resumed_from(ds2, tmp_path, procs=1, per_device=2, resume="auto")
     assert "written by 2 ranks, this launch has 1" in proc.stdout
     assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5)
     assert [json.loads(line)["step"] for line in open(tmp_path / "memory.jsonl")] == [3, 4]  # resumed, not restarted
@@ -252,34 +257,14 @@ def ds2_six(tmp_path_factory):
 
 def test_a_checkpoint_of_two_ranks_resumes_on_three(ds2_six, tmp_path):
     """The recipe sets no global batch: the checkpoint's 6 pairs are kept (3 ranks x 1 pair x 2 micro-batches)."""
-    shutil.copytree(os.path.join(ds2_six, "checkpoint-2"), tmp_path / "checkpoint-2")
-    proc = run_train(
-        tmp_path,
-        *STEPS,
-        "--per_device_train_batch_size",
-        "1",
-        "--resume_from_checkpoint",
-        "true",
-        launcher="deepspeed",
-        procs=3,
-    )
+    proc = resumed_from(ds2_six, tmp_path, procs=3, per_device=1)
     assert "data.global_batch_size 6, as the checkpoint was trained" in proc.stdout
     assert summary(tmp_path)["world_size"] == 3
     assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2_six)["losses"], abs=1e-5)
 
 
 def test_a_checkpoint_of_one_rank_resumes_on_two(ds1, tmp_path):
-    shutil.copytree(os.path.join(ds1, "checkpoint-2"), tmp_path / "checkpoint-2")
-    run_train(
-        tmp_path,
-        *STEPS,
-        "--per_device_train_batch_size",
-        "2",
-        "--resume_from_checkpoint",
-        "true",
-        launcher="deepspeed",
-        procs=2,
-    )
+    resumed_from(ds1, tmp_path, procs=2, per_device=2)
     assert summary(tmp_path)["losses"] == pytest.approx(summary(ds1)["losses"], abs=1e-5)
 
 
