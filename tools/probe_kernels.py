@@ -10,7 +10,10 @@
 4. Shared-prompt attention (longdpo/levers/shared_prompt.py) on a long-prompt pair (prompt 90%, rejected 10% shorter
    than chosen): TRL's two rows with `is_causal` against the one shared row's two calls, forward + backward time,
    and how far the completions' outputs are from the two rows' (bf16).
+5. The rejected part's call of shared-prompt attention, several ways (`rejected_call`): forward + backward time and
+   the largest difference of its output and gradients from the lever's call.
     python tools/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
+    python tools/probe_kernels.py --tokens 4096 --shared-seq 65536 --rejected-seq 65536 --out probe.json
 """
 
 from __future__ import annotations
@@ -127,6 +130,175 @@ def shared_attention(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 12
     return result
 
 
+# The rejected part's call of shared-prompt attention, computed several ways (step 5 of the probe). Its queries
+# [x, R] see every key of the prompt (P without its last token) and, causally, the keys [x, R]: the lever runs it as
+# one lower-right causal call over the concatenated keys. "split" runs it as two calls of kinds every fast kernel
+# takes, the prompt block without a mask and the [x, R] block with `is_causal` (square), and merges their outputs
+# by their log-sum-exp; its backward runs each block's backward with the merged output and log-sum-exp, which gives
+# exactly the gradient of the merged attention (the identity ring attention uses).
+class _SplitAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k1, v1, k2, v2, scale, backend):
+        blocks = [_block_forward(backend, q, k, v, causal, scale) for k, v, causal in ((k1, v1, False), (k2, v2, True))]
+        (o1, l1, _), (o2, l2, _) = blocks
+        lse = torch.logaddexp(l1, l2)
+        out = (o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)  # (B, L, H, D) in memory, as the kernels write it
+        ctx.save_for_backward(q, k1, v1, k2, v2, out, lse)
+        ctx.rest, ctx.scale, ctx.backend = [b[2] for b in blocks], scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k1, v1, k2, v2, out, lse = ctx.saved_tensors
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        g1 = _block_backward(ctx.backend, dout, q, k1, v1, out, lse, False, ctx.scale, ctx.rest[0])
+        g2 = _block_backward(ctx.backend, dout, q, k2, v2, out, lse, True, ctx.scale, ctx.rest[1])
+        return g1[0] + g2[0], g1[1], g1[2], g2[1], g2[2], None, None
+
+
+def _block_forward(backend, q, k, v, causal, scale):
+    """(output, log-sum-exp (B, H, L) in fp32, what the backward needs)."""
+    a = torch.ops.aten
+    if backend == "flash":
+        o, lse, cq, ck, mq, mk, seed, offset, _ = a._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return o.float(), lse, (cq, ck, mq, mk, seed, offset)
+    if backend == "cudnn":
+        o, lse, cq, ck, mq, mk, seed, offset, _ = a._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+        return o.float(), lse.reshape(o.shape[:3]), (cq, ck, mq, mk, seed, offset, lse.shape)
+    o, lse = a._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return o.float(), lse, ()
+
+
+def _block_backward(backend, dout, q, k, v, out, lse, causal, scale, rest):
+    a = torch.ops.aten
+    if backend == "flash":
+        cq, ck, mq, mk, seed, offset = rest
+        return a._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
+        )
+    if backend == "cudnn":
+        cq, ck, mq, mk, seed, offset, shape = rest
+        return a._scaled_dot_product_cudnn_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.reshape(shape).contiguous(),
+            seed,
+            offset,
+            torch.Tensor().to(q.device),
+            cq,
+            ck,
+            mq,
+            mk,
+            0.0,
+            causal,
+            scale=scale,
+        )[:3]
+    return a._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def rejected_call(variant: str, q, k, v, p: int, groups: int, scale: float):
+    """The rejected part's attention: queries q = [x, R], keys/values k, v = the whole row [P, C, x, R] (the chosen
+    part's keys are skipped); p: the prompt's length. Returns (B, H, len(q), D)."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    n = q.shape[2]
+    k_p, v_p, k_t, v_t = k[:, :, : p - 1], v[:, :, : p - 1], k[:, :, -n:], v[:, :, -n:]
+    if variant.startswith("split_"):
+        backend, gqa = variant.split("_")[1], variant.endswith("_gqa")
+        if not gqa:
+            k_p, v_p, k_t, v_t = (repeat_kv(t, groups) for t in (k_p, v_p, k_t, v_t))
+        return _SplitAttention.apply(q, k_p, v_p, k_t, v_t, scale, backend)
+    keys, values = torch.cat([k_p, k_t], 2), torch.cat([v_p, v_t], 2)
+    if variant == "lower_right":  # what the lever runs
+        return sdpa(
+            q,
+            repeat_kv(keys, groups),
+            repeat_kv(values, groups),
+            attn_mask=causal_lower_right(n, keys.shape[2]),
+            scale=scale,
+        )
+    if variant == "lower_right_gqa":
+        return sdpa(q, keys, values, attn_mask=causal_lower_right(n, keys.shape[2]), scale=scale, enable_gqa=True)
+    if variant == "dense_mask_cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        mask = causal_lower_right(n, keys.shape[2])._materialize(q.device)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return sdpa(q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask, scale=scale)
+    raise ValueError(variant)
+
+
+REJECTED_VARIANTS = (
+    "lower_right",
+    "lower_right_gqa",
+    "dense_mask_cudnn",
+    "split_flash",
+    "split_flash_gqa",
+    "split_cudnn",
+    "split_cudnn_gqa",
+)
+
+
+def rejected_kernels(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
+    """Step 5: the rejected part's call of shared-prompt attention (prompt 90%, chosen and rejected 5% each), each
+    variant's forward + backward time and its output and gradients' largest difference from "lower_right" (what the
+    lever runs), and the chosen part's causal call per backend for scale."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    p = round(0.9 * seq)
+    c = r = (seq - p) // 2
+    n = 1 + r
+    torch.manual_seed(0)
+    k, v = (torch.randn(1, kv_heads, p + c + n, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+    scale = dim**-0.5
+    result = {"seq": seq, "prompt": p, "chosen": c, "rejected": r, "queries": n, "keys": p - 1 + n}
+
+    def run(variant):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = rejected_call(variant, *leaves, p, heads // kv_heads, scale)
+        out.backward(dout)
+        return out, [t.grad for t in leaves]
+
+    reference = run("lower_right")
+    for variant in REJECTED_VARIANTS:
+        try:
+            out, grads = run(variant)
+            row = {"fwd_bwd_ms": _cuda_ms(lambda variant=variant: run(variant))}
+            for name, a, b in zip(("out", "dq", "dk", "dv"), [reference[0], *reference[1]], [out, *grads]):
+                row[f"max_abs_diff_{name}"] = (a.float() - b.float()).abs().max().item()
+                row[f"max_abs_{name}"] = a.float().abs().max().item()
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            row = {"error": str(e).splitlines()[0][:300]}
+        result[variant] = row
+        torch.cuda.empty_cache()
+    qc = torch.randn(1, heads, p + c, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kc, vc = (t[:, :, : p + c].clone().requires_grad_() for t in (k, v))
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+
+        def chosen(name=name):
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                sdpa(qc, kc, vc, is_causal=True, enable_gqa=True).sum().backward()
+
+        try:
+            result[f"chosen_call_{name}_fwd_bwd_ms"] = _cuda_ms(chosen)
+        except RuntimeError as e:
+            result[f"chosen_call_{name}"] = str(e).splitlines()[0][:300]
+    return result
+
+
 def _cuda_ms(fn, repeat: int = 3) -> float:
     """Median wall time of fn() on the GPU, in ms, after one warm-up call."""
     fn()
@@ -192,6 +364,7 @@ def main(argv=None):
     p.add_argument("--mlp-seq", type=int, default=None, help="also probe one MLP at this sequence length (a pair)")
     p.add_argument("--mlp-chunks", dest="chunks", type=int, default=3)
     p.add_argument("--shared-seq", type=int, default=None, help="probe shared-prompt attention at these tokens")
+    p.add_argument("--rejected-seq", type=int, default=None, help="probe the rejected part's attention call's kernels")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.manual_seed(0)
@@ -227,6 +400,9 @@ def main(argv=None):
     if args.shared_seq:
         torch.cuda.empty_cache()
         out["shared_attention"] = shared_attention(args.shared_seq)
+    if args.rejected_seq:
+        torch.cuda.empty_cache()
+        out["rejected_kernels"] = rejected_kernels(args.rejected_seq)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out, indent=1))
