@@ -31,9 +31,9 @@ splits the shared rows over the group's ranks; Ulysses' all-to-all gives this at
 heads, so the layout holds as it is.
 
 The attention is registered through transformers' attention interface (`NAME`); transformers builds no mask for it.
-Both calls are PyTorch's scaled_dot_product_attention: the first with `is_causal` (cuDNN or flash on Hopper), the
-second with `causal_lower_right` (flash or memory-efficient). Called without a layout (a model used outside DPO's
-forward), it is causal attention over the whole row, TRL's right-padded batch without its mask
+The chosen part's call is PyTorch's scaled_dot_product_attention with `is_causal`; the rejected part's runs as two
+blocks merged by their log-sum-exp (`PromptAndTail`), on cuDNN's kernel on a GPU. Called without a layout (a model
+used outside DPO's forward), it is causal attention over the whole row, TRL's right-padded batch without its mask
 (longdpo/levers/padding_mask.py).
 """
 
@@ -64,6 +64,7 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=True)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     groups = getattr(module, "num_key_value_groups", 1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     for row, (p, c, r, x) in enumerate(row_layout):
         head, end = p + c, p + c + x + r
         q, k, v = query[row : row + 1], key[row : row + 1], value[row : row + 1]
@@ -73,18 +74,114 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             )
             out[row, :head] = first[0]
         if end > head:
-            keys = torch.cat([k[:, :, : p - x], k[:, :, head:end]], dim=2)
-            values = torch.cat([v[:, :, : p - x], v[:, :, head:end]], dim=2)
-            second = F.scaled_dot_product_attention(
-                q[:, :, head:end],
-                repeat_kv(keys, groups),
-                repeat_kv(values, groups),
-                attn_mask=causal_lower_right(end - head, keys.shape[2]),
-                dropout_p=dropout,
-                scale=scaling,
-            )
+            tail = q[:, :, head:end], k[:, :, head:end], v[:, :, head:end]
+            if p - x and not dropout:
+                second = PromptAndTail.apply(*tail, k[:, :, : p - x], v[:, :, : p - x], groups, scale)
+            else:  # no prompt to see, or what the kernels below do not take: one lower-right causal call
+                keys = torch.cat([k[:, :, : p - x], tail[1]], dim=2)
+                values = torch.cat([v[:, :, : p - x], tail[2]], dim=2)
+                second = F.scaled_dot_product_attention(
+                    tail[0],
+                    repeat_kv(keys, groups),
+                    repeat_kv(values, groups),
+                    attn_mask=causal_lower_right(end - head, keys.shape[2]),
+                    dropout_p=dropout,
+                    scale=scale,
+                )
             out[row, head:end] = second[0].transpose(0, 1)
     return out, None
+
+
+class PromptAndTail(torch.autograd.Function):
+    """The queries [x, R] over the keys [prompt without its last token, x, R]: every prompt key, and the tail's keys
+    causally. As one call this is lower-right causal attention, which only PyTorch's flash (FlashAttention-2) and
+    memory-efficient kernels take, over keys copied together; as two blocks (the prompt without a mask, the tail with
+    square `is_causal`) each runs on the card's fastest kernel, on the keys in place. The blocks' outputs merge by
+    their log-sum-exp; the backward runs each block's backward with the merged output and log-sum-exp, which is the
+    exact gradient of the merged attention (ring attention's identity)."""
+
+    @staticmethod
+    def forward(ctx, q, k_tail, v_tail, k_prompt, v_prompt, groups, scale):
+        kernel = _Kernel(q, groups, scale)
+        (o1, l1), (o2, l2) = kernel.forward(q, k_prompt, v_prompt, False), kernel.forward(q, k_tail, v_tail, True)
+        lse = torch.logaddexp(l1, l2)
+        out = (o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
+        out = kernel.layout(out)
+        ctx.save_for_backward(q, k_tail, v_tail, k_prompt, v_prompt, out, lse)
+        ctx.kernel = kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_tail, v_tail, k_prompt, v_prompt, out, lse = ctx.saved_tensors
+        kernel = ctx.kernel
+        grad = kernel.layout(grad)
+        dq1, dk_p, dv_p = kernel.backward(grad, q, k_prompt, v_prompt, out, lse, False)
+        dq2, dk_t, dv_t = kernel.backward(grad, q, k_tail, v_tail, out, lse, True)
+        return dq1 + dq2, dk_t, dv_t, dk_p, dv_p, None, None
+
+
+class _Kernel:
+    """One block of attention with its log-sum-exp, forward and backward, through PyTorch's kernels: cuDNN on a CUDA
+    GPU, the CPU's flash kernel otherwise. Keys and values with fewer heads than the queries are repeated per group."""
+
+    def __init__(self, q, groups, scale):
+        self.cuda, self.groups, self.scale, self.saved = q.is_cuda, groups, scale, {}
+
+    @staticmethod
+    def layout(t):
+        """(batch, heads, seq, dim) stored as (batch, seq, heads, dim), as the kernels write their outputs."""
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def forward(self, q, k, v, causal):
+        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
+        if not self.cuda:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
+            return _accumulating(o), lse
+        o, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=self.scale
+        )
+        self.saved[causal] = (cq, ck, mq, mk, seed, offset, lse.shape)
+        return _accumulating(o), lse.reshape(o.shape[:3])
+
+    def backward(self, grad, q, k, v, out, lse, causal):
+        kr, vr = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
+        if not self.cuda:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, kr, vr, out, lse, 0.0, causal, scale=self.scale
+            )
+        else:
+            cq, ck, mq, mk, seed, offset, shape = self.saved[causal]
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                grad,
+                q,
+                kr,
+                vr,
+                out,
+                lse.reshape(shape).contiguous(),
+                seed,
+                offset,
+                torch.Tensor().to(q.device),
+                cq,
+                ck,
+                mq,
+                mk,
+                0.0,
+                causal,
+                scale=self.scale,
+            )
+        return dq, *(_sum_groups(t, self.groups) for t in (dk, dv))
+
+
+def _accumulating(o):
+    """A block's output in the precision its merge sums in (float32, or float64 for float64 inputs)."""
+    return o.to(torch.promote_types(o.dtype, torch.float32))
+
+
+def _sum_groups(t, groups):
+    """The gradient of repeat_kv: (batch, kv_heads * groups, seq, dim) summed over each group."""
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else t
 
 
 AttentionInterface.register(NAME, shared_attention)
