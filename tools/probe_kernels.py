@@ -192,7 +192,7 @@ def _block_backward(backend, dout, q, k, v, out, lse, causal, scale, rest):
             lse.reshape(shape).contiguous(),
             seed,
             offset,
-            torch.Tensor().to(q.device),
+            None,  # no bias (the Python binding passes None as an undefined tensor)
             cq,
             ck,
             mq,

@@ -161,7 +161,7 @@ class _Kernel:
                 lse.reshape(shape).contiguous(),
                 seed,
                 offset,
-                torch.Tensor().to(q.device),
+                None,  # no bias (the Python binding passes None as an undefined tensor)
                 cq,
                 ck,
                 mq,
