@@ -4,6 +4,7 @@ with prompts of one token, and under the memory levers."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import loss_and_grads
 from test_padding_mask import metrics_after
 
@@ -187,3 +188,36 @@ def test_bad_settings_are_one_clear_line():
     with pytest.raises(Exception, match="set `memory.padding_mask: auto`"):
         check(True, 0.2, False, "keep")
     check(False, 0, True, "keep")
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_the_rejected_parts_two_blocks_equal_one_lower_right_causal_call(groups):
+    """`PromptAndTail` (the prompt's keys without a mask, the tail's causally, merged by log-sum-exp; each block's
+    backward on the merged output) against one lower-right causal call over the keys copied together: output and every
+    gradient, in float64, where both are the same sums in another order (1e-12 is ~1e4 ulps at these magnitudes)."""
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    torch.manual_seed(0)
+    prompt, tail, kv_heads, dim = 37, 6, 2, 8
+    q = torch.randn(1, kv_heads * groups, tail, dim, dtype=torch.float64)
+    k, v = (torch.randn(1, kv_heads, prompt + tail, dim, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn_like(q)
+
+    def run(attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def one_call(q, k, v):
+        mask = causal_lower_right(tail, prompt + tail)
+        return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.3)
+
+    def two_blocks(q, k, v):
+        kp, vp, kt, vt = k[:, :, :prompt], v[:, :, :prompt], k[:, :, prompt:], v[:, :, prompt:]
+        return shared_prompt.PromptAndTail.apply(q, kt, vt, kp, vp, groups, 0.3)
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(one_call), run(two_blocks)):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), (name, (a - b).abs().max())
+        assert a.abs().max() > 0.01, name
