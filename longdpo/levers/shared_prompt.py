@@ -13,12 +13,11 @@ each, is the one TRL computes: x's hidden state is the prompt's last, the one th
 that one position would have to score two labels, and TRL's fused LM head scores one per position.) The row costs
 |P| + |C| + |R| + 1 tokens instead of 2|P| + |C| + |R| plus padding.
 
-Sharing pays where the prompt is a large part of the pair; where it is short, the rejected part's attention call
-(lower-right causal, which cuDNN's causal kernel does not take) costs more than the prompt tokens saved: on one H100
-at 32k tokens, a batch that saved 2% of the tokens ran 17% slower, one that saved 45% ran 1.65x faster
-(docs/BENCHMARKS.md). So a batch runs shared only when its shared rows are at least `min_saving`
-(`data.shared_prompt_min_saving`) fewer tokens than TRL's rows; other batches run as TRL's rows without a mask (the
-same arithmetic either way).
+Sharing pays where the prompt is a large part of the pair; where it is short, the row's extra attention call and
+bookkeeping cost more than the prompt tokens saved: on one H100 at 32k tokens, with the rejected part's call then on
+flash, a batch that saved 2% of the tokens ran 17% slower, one that saved 45% ran 1.65x faster (docs/BENCHMARKS.md). So
+a batch runs shared only when its shared rows are at least `min_saving` (`data.shared_prompt_min_saving`) fewer
+tokens than TRL's rows; other batches run as TRL's rows without a mask (the same arithmetic either way).
 
 TRL's DPO code is left untouched: the policy's and the reference's forward (TRL's fused-LM-head forward) are wrapped.
 The wrapper builds the shared rows from TRL's batch (the labels say where each completion starts), runs the model once
@@ -360,7 +359,7 @@ class SharedPrompt(Lever):
             build.core_attention = NAME  # the models are built with it; sequence parallelism wraps it
             build.messages.append(
                 "attention: each pair's prompt computed once (data.shared_prompt): one sequence [prompt, chosen, "
-                "rejected] per pair, PyTorch's SDPA in two calls"
+                "rejected] per pair, the rejected part's attention in two blocks (cuDNN on a GPU)"
             )
 
     def wrap_trainer(self, s, trainer, build):
