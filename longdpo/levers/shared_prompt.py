@@ -74,7 +74,7 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             out[row, :head] = first[0]
         if end > head:
             tail = q[:, :, head:end], k[:, :, head:end], v[:, :, head:end]
-            if p - x and not dropout:
+            if p - x and not dropout and PromptAndTail.runs_on(query):
                 second = PromptAndTail.apply(*tail, k[:, :, : p - x], v[:, :, : p - x], groups, scale)
             else:  # no prompt to see, or what the kernels below do not take: one lower-right causal call
                 keys = torch.cat([k[:, :, : p - x], tail[1]], dim=2)
@@ -98,6 +98,20 @@ class PromptAndTail(torch.autograd.Function):
     square `is_causal`) each runs on the card's fastest kernel, on the keys in place. The blocks' outputs merge by
     their log-sum-exp; the backward runs each block's backward with the merged output and log-sum-exp, which is the
     exact gradient of the merged attention (ring attention's identity)."""
+
+    @staticmethod
+    def runs_on(q) -> bool:
+        """Where its kernels take these queries: the CPU, and cuDNN's attention on a Hopper or newer GPU in bf16 or
+        fp16 with head dim up to 128 (where it was measured and checked); elsewhere the lower-right call runs."""
+        if q.device.type == "cpu":
+            return True
+        return (
+            q.is_cuda
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] <= 128
+            and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(q.device) >= (9, 0)
+        )
 
     @staticmethod
     def forward(ctx, q, k_tail, v_tail, k_prompt, v_prompt, groups, scale):

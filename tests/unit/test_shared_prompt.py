@@ -221,3 +221,11 @@ def test_the_rejected_parts_two_blocks_equal_one_lower_right_causal_call(groups)
     for name, a, b in zip(("out", "dq", "dk", "dv"), run(one_call), run(two_blocks)):
         assert torch.allclose(a, b, rtol=0, atol=1e-12), (name, (a - b).abs().max())
         assert a.abs().max() > 0.01, name
+
+
+def test_the_two_blocks_run_where_their_kernels_take_the_queries():
+    """The CPU's flash kernel takes float types; on a device without the two blocks' kernels (here: meta) the rejected
+    part runs as the one lower-right call."""
+    q = torch.zeros(1, 2, 3, 8)
+    assert shared_prompt.PromptAndTail.runs_on(q) and shared_prompt.PromptAndTail.runs_on(q.bfloat16())
+    assert not shared_prompt.PromptAndTail.runs_on(torch.zeros(1, 2, 3, 8, device="meta"))
