@@ -10,8 +10,10 @@
 4. Shared-prompt attention (longdpo/levers/shared_prompt.py) on a long-prompt pair (prompt 90%, rejected 10% shorter
    than chosen): TRL's two rows with `is_causal` against the one shared row's two calls, forward + backward time,
    and how far the completions' outputs are from the two rows' (bf16).
-5. The rejected part's call of shared-prompt attention, several ways (`rejected_call`): forward + backward time and
-   the largest difference of its output and gradients from the lever's call.
+5. The rejected part's call of shared-prompt attention, several ways (`rejected_call`): as one lower-right causal call
+   (with and without repeated key/value heads; on a materialised mask), and as the lever's two blocks merged by
+   log-sum-exp (with and without repeated heads): forward + backward time and the largest difference of the output
+   and gradients from the one lower-right call. (At commit 104a853 it also ran the two blocks on flash: 38.97 ms.)
     python tools/probe_kernels.py --tokens 24576 --attn-seq 65536 --mlp-seq 12288 --out probe.json
     python tools/probe_kernels.py --tokens 4096 --shared-seq 65536 --rejected-seq 65536 --out probe.json
 """
@@ -130,80 +132,6 @@ def shared_attention(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 12
     return result
 
 
-# The rejected part's call of shared-prompt attention, computed several ways (step 5 of the probe). Its queries
-# [x, R] see every key of the prompt (P without its last token) and, causally, the keys [x, R]: the lever runs it as
-# one lower-right causal call over the concatenated keys. "split" runs it as two calls of kinds every fast kernel
-# takes, the prompt block without a mask and the [x, R] block with `is_causal` (square), and merges their outputs
-# by their log-sum-exp; its backward runs each block's backward with the merged output and log-sum-exp, which gives
-# exactly the gradient of the merged attention (the identity ring attention uses).
-class _SplitAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k1, v1, k2, v2, scale, backend):
-        blocks = [_block_forward(backend, q, k, v, causal, scale) for k, v, causal in ((k1, v1, False), (k2, v2, True))]
-        (o1, l1, _), (o2, l2, _) = blocks
-        lse = torch.logaddexp(l1, l2)
-        out = (o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)  # (B, L, H, D) in memory, as the kernels write it
-        ctx.save_for_backward(q, k1, v1, k2, v2, out, lse)
-        ctx.rest, ctx.scale, ctx.backend = [b[2] for b in blocks], scale, backend
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k1, v1, k2, v2, out, lse = ctx.saved_tensors
-        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
-        g1 = _block_backward(ctx.backend, dout, q, k1, v1, out, lse, False, ctx.scale, ctx.rest[0])
-        g2 = _block_backward(ctx.backend, dout, q, k2, v2, out, lse, True, ctx.scale, ctx.rest[1])
-        return g1[0] + g2[0], g1[1], g1[2], g2[1], g2[2], None, None
-
-
-def _block_forward(backend, q, k, v, causal, scale):
-    """(output, log-sum-exp (B, H, L) in fp32, what the backward needs)."""
-    a = torch.ops.aten
-    if backend == "flash":
-        o, lse, cq, ck, mq, mk, seed, offset, _ = a._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        return o.float(), lse, (cq, ck, mq, mk, seed, offset)
-    if backend == "cudnn":
-        o, lse, cq, ck, mq, mk, seed, offset, _ = a._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale
-        )
-        return o.float(), lse.reshape(o.shape[:3]), (cq, ck, mq, mk, seed, offset, lse.shape)
-    o, lse = a._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return o.float(), lse, ()
-
-
-def _block_backward(backend, dout, q, k, v, out, lse, causal, scale, rest):
-    a = torch.ops.aten
-    if backend == "flash":
-        cq, ck, mq, mk, seed, offset = rest
-        return a._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
-        )
-    if backend == "cudnn":
-        cq, ck, mq, mk, seed, offset, shape = rest
-        return a._scaled_dot_product_cudnn_attention_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse.reshape(shape).contiguous(),
-            seed,
-            offset,
-            None,  # no bias (the Python binding passes None as an undefined tensor)
-            cq,
-            ck,
-            mq,
-            mk,
-            0.0,
-            causal,
-            scale=scale,
-        )[:3]
-    return a._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-
-
 def rejected_call(variant: str, q, k, v, p: int, groups: int, scale: float):
     """The rejected part's attention: queries q = [x, R], keys/values k, v = the whole row [P, C, x, R] (the chosen
     part's keys are skipped); p: the prompt's length. Returns (B, H, len(q), D)."""
@@ -211,15 +139,14 @@ def rejected_call(variant: str, q, k, v, p: int, groups: int, scale: float):
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     from transformers.integrations.sdpa_attention import repeat_kv
 
+    from longdpo.levers.shared_prompt import PromptAndTail
+
     n = q.shape[2]
     k_p, v_p, k_t, v_t = k[:, :, : p - 1], v[:, :, : p - 1], k[:, :, -n:], v[:, :, -n:]
-    if variant.startswith("split_"):
-        backend, gqa = variant.split("_")[1], variant.endswith("_gqa")
-        if not gqa:
-            k_p, v_p, k_t, v_t = (repeat_kv(t, groups) for t in (k_p, v_p, k_t, v_t))
-        return _SplitAttention.apply(q, k_p, v_p, k_t, v_t, scale, backend)
+    if variant.startswith("split_cudnn"):  # the lever's two blocks; "_gqa": key/value heads handed over unrepeated
+        return PromptAndTail.apply(q, k_t, v_t, k_p, v_p, 1 if variant.endswith("_gqa") else groups, scale)
     keys, values = torch.cat([k_p, k_t], 2), torch.cat([v_p, v_t], 2)
-    if variant == "lower_right":  # what the lever runs
+    if variant == "lower_right":  # the one call (the lever runs it where the two blocks' kernels are missing)
         return sdpa(
             q,
             repeat_kv(keys, groups),
@@ -238,21 +165,13 @@ def rejected_call(variant: str, q, k, v, p: int, groups: int, scale: float):
     raise ValueError(variant)
 
 
-REJECTED_VARIANTS = (
-    "lower_right",
-    "lower_right_gqa",
-    "dense_mask_cudnn",
-    "split_flash",
-    "split_flash_gqa",
-    "split_cudnn",
-    "split_cudnn_gqa",
-)
+REJECTED_VARIANTS = ("lower_right", "lower_right_gqa", "dense_mask_cudnn", "split_cudnn", "split_cudnn_gqa")
 
 
 def rejected_kernels(seq: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict:
     """Step 5: the rejected part's call of shared-prompt attention (prompt 90%, chosen and rejected 5% each), each
-    variant's forward + backward time and its output and gradients' largest difference from "lower_right" (what the
-    lever runs), and the chosen part's causal call per backend for scale."""
+    variant's forward + backward time and its output and gradients' largest difference from "lower_right" (the one
+    call), and the chosen part's causal call per backend for scale."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
