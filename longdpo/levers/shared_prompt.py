@@ -95,9 +95,10 @@ class PromptAndTail(torch.autograd.Function):
     """The queries [x, R] over the keys [prompt without its last token, x, R]: every prompt key, and the tail's keys
     causally. As one call this is lower-right causal attention, which only PyTorch's flash (FlashAttention-2) and
     memory-efficient kernels take, over keys copied together; as two blocks (the prompt without a mask, the tail with
-    square `is_causal`) each runs on cuDNN's kernel (1.6x the flash call on an H100), on the keys in place. The
-    blocks' outputs merge by their log-sum-exp; the backward runs each block's backward with the merged output and
-    log-sum-exp, which is the exact gradient of the merged attention (ring attention's identity)."""
+    square `is_causal`) each runs on cuDNN's kernel (1.6x the flash call on an H100), without copying the prompt's
+    keys next to the tail's (key/value heads are still repeated per group). The blocks' outputs merge by their
+    log-sum-exp; the backward runs each block's backward with the merged output and log-sum-exp, which is the exact
+    gradient of the merged attention (ring attention's identity)."""
 
     @staticmethod
     def runs_on(q) -> bool:
