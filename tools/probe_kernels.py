@@ -139,21 +139,15 @@ def rejected_call(variant: str, q, k, v, p: int, groups: int, scale: float):
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    from longdpo.levers.shared_prompt import PromptAndTail
+    from longdpo.levers.shared_prompt import PromptAndTail, lower_right_call
 
     n = q.shape[2]
     k_p, v_p, k_t, v_t = k[:, :, : p - 1], v[:, :, : p - 1], k[:, :, -n:], v[:, :, -n:]
     if variant.startswith("split_cudnn"):  # the lever's two blocks; "_gqa": key/value heads handed over unrepeated
         return PromptAndTail.apply(q, k_t, v_t, k_p, v_p, 1 if variant.endswith("_gqa") else groups, scale)
-    keys, values = torch.cat([k_p, k_t], 2), torch.cat([v_p, v_t], 2)
     if variant == "lower_right":  # the one call (the lever runs it where the two blocks' kernels are missing)
-        return sdpa(
-            q,
-            repeat_kv(keys, groups),
-            repeat_kv(values, groups),
-            attn_mask=causal_lower_right(n, keys.shape[2]),
-            scale=scale,
-        )
+        return lower_right_call(q, k_t, v_t, k_p, v_p, groups, scale)
+    keys, values = torch.cat([k_p, k_t], 2), torch.cat([v_p, v_t], 2)
     if variant == "lower_right_gqa":
         return sdpa(q, keys, values, attn_mask=causal_lower_right(n, keys.shape[2]), scale=scale, enable_gqa=True)
     if variant == "dense_mask_cudnn":

@@ -64,6 +64,7 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     groups = getattr(module, "num_key_value_groups", 1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    two_blocks = not dropout and PromptAndTail.runs_on(query)
     for row, (p, c, r, x) in enumerate(row_layout):
         head, end = p + c, p + c + x + r
         q, k, v = query[row : row + 1], key[row : row + 1], value[row : row + 1]
@@ -73,22 +74,28 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             )
             out[row, :head] = first[0]
         if end > head:
-            tail = q[:, :, head:end], k[:, :, head:end], v[:, :, head:end]
-            if p - x and not dropout and PromptAndTail.runs_on(query):
-                second = PromptAndTail.apply(*tail, k[:, :, : p - x], v[:, :, : p - x], groups, scale)
-            else:  # no prompt to see, or what the kernels below do not take: one lower-right causal call
-                keys = torch.cat([k[:, :, : p - x], tail[1]], dim=2)
-                values = torch.cat([v[:, :, : p - x], tail[2]], dim=2)
-                second = F.scaled_dot_product_attention(
-                    tail[0],
-                    repeat_kv(keys, groups),
-                    repeat_kv(values, groups),
-                    attn_mask=causal_lower_right(end - head, keys.shape[2]),
-                    dropout_p=dropout,
-                    scale=scale,
-                )
+            blocks = q[:, :, head:end], k[:, :, head:end], v[:, :, head:end], k[:, :, : p - x], v[:, :, : p - x]
+            if p - x and two_blocks:
+                second = PromptAndTail.apply(*blocks, groups, scale)
+            else:  # no prompt to see, or what the two blocks' kernels do not take
+                second = lower_right_call(*blocks, groups, scale, dropout)
             out[row, head:end] = second[0].transpose(0, 1)
     return out, None
+
+
+def lower_right_call(q, k_tail, v_tail, k_prompt, v_prompt, groups, scale, dropout=0.0):
+    """The queries [x, R] over the keys [prompt without its last token, x, R] as one lower-right causal call over the
+    keys copied together (PyTorch's flash or memory-efficient kernel on a GPU); `PromptAndTail` takes the same
+    arguments."""
+    keys, values = torch.cat([k_prompt, k_tail], dim=2), torch.cat([v_prompt, v_tail], dim=2)
+    return F.scaled_dot_product_attention(
+        q,
+        repeat_kv(keys, groups),
+        repeat_kv(values, groups),
+        attn_mask=causal_lower_right(q.shape[2], keys.shape[2]),
+        dropout_p=dropout,
+        scale=scale,
+    )
 
 
 class PromptAndTail(torch.autograd.Function):
