@@ -143,8 +143,10 @@ def rejected_call(variant: str, q, k, v, p: int, groups: int, scale: float):
 
     n = q.shape[2]
     k_p, v_p, k_t, v_t = k[:, :, : p - 1], v[:, :, : p - 1], k[:, :, -n:], v[:, :, -n:]
-    if variant.startswith("split_cudnn"):  # the lever's two blocks; "_gqa": key/value heads handed over unrepeated
-        return PromptAndTail.apply(q, k_t, v_t, k_p, v_p, 1 if variant.endswith("_gqa") else groups, scale)
+    if variant == "split_cudnn_gqa":  # the lever's two blocks, key/value heads handed over as they are
+        return PromptAndTail.apply(q, k_t, v_t, k_p, v_p, scale)
+    if variant == "split_cudnn":  # the same with key/value heads repeated per group first
+        return PromptAndTail.apply(q, *(repeat_kv(t, groups) for t in (k_t, v_t, k_p, v_p)), scale)
     if variant == "lower_right":  # the one call (the lever runs it where the two blocks' kernels are missing)
         return lower_right_call(q, k_t, v_t, k_p, v_p, groups, scale)
     keys, values = torch.cat([k_p, k_t], 2), torch.cat([v_p, v_t], 2)

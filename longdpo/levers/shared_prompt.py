@@ -76,7 +76,7 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         if end > head:
             blocks = q[:, :, head:end], k[:, :, head:end], v[:, :, head:end], k[:, :, : p - x], v[:, :, : p - x]
             if p - x and two_blocks:
-                second = PromptAndTail.apply(*blocks, groups, scale)
+                second = PromptAndTail.apply(*blocks, scale)
             else:  # no prompt to see, or what the two blocks' kernels do not take
                 second = lower_right_call(*blocks, groups, scale, dropout)
             out[row, head:end] = second[0].transpose(0, 1)
@@ -85,8 +85,8 @@ def shared_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def lower_right_call(q, k_tail, v_tail, k_prompt, v_prompt, groups, scale, dropout=0.0):
     """The queries [x, R] over the keys [prompt without its last token, x, R] as one lower-right causal call over the
-    keys copied together (PyTorch's flash or memory-efficient kernel on a GPU); `PromptAndTail` takes the same
-    arguments."""
+    keys copied together and repeated per head group (PyTorch's flash or memory-efficient kernel on a GPU);
+    `PromptAndTail` takes the same arguments but `groups`."""
     keys, values = torch.cat([k_prompt, k_tail], dim=2), torch.cat([v_prompt, v_tail], dim=2)
     return F.scaled_dot_product_attention(
         q,
@@ -103,7 +103,7 @@ class PromptAndTail(torch.autograd.Function):
     causally. As one call this is lower-right causal attention, which only PyTorch's flash (FlashAttention-2) and
     memory-efficient kernels take, over keys copied together; as two blocks (the prompt without a mask, the tail with
     square `is_causal`) each runs on cuDNN's kernel (1.6x the flash call on an H100), without copying the prompt's
-    keys next to the tail's (key/value heads are still repeated per group). The blocks' outputs merge by their
+    keys next to the tail's and without repeating key/value heads per group. The blocks' outputs merge by their
     log-sum-exp; the backward runs each block's backward with the merged output and log-sum-exp, which is the exact
     gradient of the merged attention (ring attention's identity)."""
 
@@ -122,8 +122,8 @@ class PromptAndTail(torch.autograd.Function):
         )
 
     @staticmethod
-    def forward(ctx, q, k_tail, v_tail, k_prompt, v_prompt, groups, scale):
-        kernel = _Kernel(q, groups, scale)
+    def forward(ctx, q, k_tail, v_tail, k_prompt, v_prompt, scale):
+        kernel = _Kernel(q, scale)
         (o1, l1), (o2, l2) = kernel.forward(q, k_prompt, v_prompt, False), kernel.forward(q, k_tail, v_tail, True)
         lse = torch.logaddexp(l1, l2)
         out = (o1 * (l1 - lse).exp().unsqueeze(-1) + o2 * (l2 - lse).exp().unsqueeze(-1)).to(q.dtype)
@@ -139,15 +139,16 @@ class PromptAndTail(torch.autograd.Function):
         grad = kernel.layout(grad)
         dq1, dk_p, dv_p = kernel.backward(grad, q, k_prompt, v_prompt, out, lse, False)
         dq2, dk_t, dv_t = kernel.backward(grad, q, k_tail, v_tail, out, lse, True)
-        return dq1 + dq2, dk_t, dv_t, dk_p, dv_p, None, None
+        return dq1 + dq2, dk_t, dv_t, dk_p, dv_p, None
 
 
 class _Kernel:
     """One block of attention with its log-sum-exp, forward and backward, through PyTorch's kernels: cuDNN on a CUDA
-    GPU, the CPU's flash kernel otherwise. Keys and values with fewer heads than the queries are repeated per group."""
+    GPU, the CPU's flash kernel otherwise. Both take keys and values with fewer heads than the queries as they are
+    (grouped-query attention) and return their gradients in that shape, so nothing is repeated per group."""
 
-    def __init__(self, q, groups, scale):
-        self.cuda, self.groups, self.scale, self.saved = q.is_cuda, groups, scale, {}
+    def __init__(self, q, scale):
+        self.cuda, self.scale, self.saved = q.is_cuda, scale, {}
 
     @staticmethod
     def layout(t):
@@ -155,7 +156,6 @@ class _Kernel:
         return t.transpose(1, 2).contiguous().transpose(1, 2)
 
     def forward(self, q, k, v, causal):
-        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
         if not self.cuda:
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
             return _accumulating(o), lse
@@ -166,43 +166,34 @@ class _Kernel:
         return _accumulating(o), lse.reshape(o.shape[:3])
 
     def backward(self, grad, q, k, v, out, lse, causal):
-        kr, vr = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
         if not self.cuda:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad, q, kr, vr, out, lse, 0.0, causal, scale=self.scale
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse, 0.0, causal, scale=self.scale
             )
-        else:
-            cq, ck, mq, mk, seed, offset, shape = self.saved[causal]
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                grad,
-                q,
-                kr,
-                vr,
-                out,
-                lse.reshape(shape).contiguous(),
-                seed,
-                offset,
-                None,  # no bias (the Python binding passes None as an undefined tensor)
-                cq,
-                ck,
-                mq,
-                mk,
-                0.0,
-                causal,
-                scale=self.scale,
-            )
-        return dq, *(_sum_groups(t, self.groups) for t in (dk, dv))
+        cq, ck, mq, mk, seed, offset, shape = self.saved[causal]
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad,
+            q,
+            k,
+            v,
+            out,
+            lse.reshape(shape).contiguous(),
+            seed,
+            offset,
+            None,  # no bias (the Python binding passes None as an undefined tensor)
+            cq,
+            ck,
+            mq,
+            mk,
+            0.0,
+            causal,
+            scale=self.scale,
+        )
 
 
 def _accumulating(o):
     """A block's output in the precision its merge sums in (float32, or float64 for float64 inputs)."""
     return o.to(torch.promote_types(o.dtype, torch.float32))
-
-
-def _sum_groups(t, groups):
-    """The gradient of repeat_kv: (batch, kv_heads * groups, seq, dim) summed over each group."""
-    b, h, s, d = t.shape
-    return t.view(b, h // groups, groups, s, d).sum(2) if groups > 1 else t
 
 
 AttentionInterface.register(NAME, shared_attention)

@@ -194,7 +194,8 @@ def test_bad_settings_are_one_clear_line():
 def test_the_rejected_parts_two_blocks_equal_one_lower_right_causal_call(groups):
     """`PromptAndTail` (the prompt's keys without a mask, the tail's causally, merged by log-sum-exp; each block's
     backward on the merged output) against one lower-right causal call over the keys copied together: output and every
-    gradient, in float64, where both are the same sums in another order (1e-12 is ~1e4 ulps at these magnitudes)."""
+    gradient, in float64, where both are the same sums in another order (1e-12 is ~1e4 ulps at these magnitudes).
+    With groups > 1 the two blocks take the key/value heads as they are and return their gradients in that shape."""
     from torch.nn.attention.bias import causal_lower_right
     from transformers.integrations.sdpa_attention import repeat_kv
 
@@ -216,7 +217,7 @@ def test_the_rejected_parts_two_blocks_equal_one_lower_right_causal_call(groups)
 
     def two_blocks(q, k, v):
         kp, vp, kt, vt = k[:, :, :prompt], v[:, :, :prompt], k[:, :, prompt:], v[:, :, prompt:]
-        return shared_prompt.PromptAndTail.apply(q, kt, vt, kp, vp, groups, 0.3)
+        return shared_prompt.PromptAndTail.apply(q, kt, vt, kp, vp, 0.3)
 
     for name, a, b in zip(("out", "dq", "dk", "dv"), run(one_call), run(two_blocks)):
         assert torch.allclose(a, b, rtol=0, atol=1e-12), (name, (a - b).abs().max())
