@@ -92,10 +92,16 @@ def test_resume_under_zero3_continues_the_same_curve(ds2, tmp_path):
     assert ran == [3, 4]  # resumed from step 2, not restarted
 
 
-@pytest.mark.parametrize("lean_head", ["false", "true"])
-def test_saved_tensor_hooks_under_zero3_leave_the_curve_unchanged(ds2, tmp_path, lean_head):
+@pytest.mark.parametrize("lean_head,tiles,chunks", [("false", 4, 0), ("true", 0, 2)])
+def test_saved_tensor_hooks_and_mlp_pieces_under_zero3_leave_the_curve_unchanged(
+    ds2, tmp_path, lean_head, tiles, chunks
+):
     """Activation offloading's hooks around each step (identity hooks here, tests/launch/hooks_worker.py): the fused LM
-    head (TRL's, and the lean one) still gathers its partitioned weight in backward, and nothing changes numerically."""
+    head (TRL's, and the lean one) still gathers its partitioned weight in backward. Under the same hooks, the MLP in
+    tiles or in checkpointed chunks must re-gather its partitioned weights in recompute. Tiles and chunks sum each MLP
+    weight's gradient over sequence pieces, a different fp32 summation order than one matmul: after three updates the
+    loss moved by 1.2e-6 on a 2-core CPU, so they compare at 1e-5 (a missed re-gather or a wrong gradient moves it by
+    orders of magnitude more)."""
     run_train(
         tmp_path,
         *STEPS,
@@ -105,11 +111,19 @@ def test_saved_tensor_hooks_under_zero3_leave_the_curve_unchanged(ds2, tmp_path,
         "no",
         "--memory.lean_lm_head",
         lean_head,
+        "--memory.checkpointing",
+        "layer+norm_attn",
+        "--memory.tiled_mlp",
+        str(tiles),
+        "--memory.mlp_chunks",
+        str(chunks),
         launcher="deepspeed",
         procs=2,
         script=os.path.join(ROOT, "tests", "launch", "hooks_worker.py"),
     )
-    assert summary(tmp_path)["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
+    s = summary(tmp_path)
+    assert sum(s["wrapped"].values()) > 0
+    assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5)
 
 
 def test_accelerate_launch_matches(ds1, tmp_path):
@@ -119,15 +133,10 @@ def test_accelerate_launch_matches(ds1, tmp_path):
     assert s["losses"] == pytest.approx(summary(ds1)["losses"], abs=1e-5)
 
 
-@pytest.mark.parametrize(
-    "policy,tiles,chunks",
-    [("norm_attn_mlp", 0, 0), ("layer+norm_attn_mlp", 0, 0), ("layer+norm_attn", 4, 0), ("layer+norm_attn", 0, 2)],
-)
-def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles, chunks):
-    """Recompute under ZeRO-3 must re-gather partitioned weights: any miss changes the gradients, so the curve.
-    Tiles and chunks sum each MLP weight's gradient over sequence pieces, a different fp32 summation order than one
-    matmul: after three updates the loss moved by 1.2e-6 on a 2-core CPU, so those cases compare at 1e-5 (a missed
-    re-gather or a wrong gradient moves it by orders of magnitude more)."""
+@pytest.mark.parametrize("policy", ["norm_attn_mlp", "layer+norm_attn_mlp"])
+def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy):
+    """Recompute under ZeRO-3 must re-gather partitioned weights: any miss changes the gradients, so the curve (the MLP
+    in tiles and chunks: the test above)."""
     run_train(
         tmp_path,
         *STEPS,
@@ -137,16 +146,12 @@ def test_patched_policies_equal_stock_under_zero3(ds2, tmp_path, policy, tiles, 
         "no",
         "--memory.checkpointing",
         policy,
-        "--memory.tiled_mlp",
-        str(tiles),
-        "--memory.mlp_chunks",
-        str(chunks),
         launcher="deepspeed",
         procs=2,
     )
     s = summary(tmp_path)
     assert sum(s["wrapped"].values()) > 0
-    assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-5 if tiles or chunks else 1e-6)
+    assert s["losses"] == pytest.approx(summary(ds2)["losses"], abs=1e-6)
 
 
 @pytest.mark.parametrize("launcher,procs,per_device", [("python", 1, 4), ("deepspeed", 2, 2)])
