@@ -3,11 +3,13 @@ their share of the card's peak, longdpo/training/flops.py).
 
 Per optimizer step, on every rank, it measures peak allocated / peak reserved / fragmentation gap (reserved -
 allocated at peak) / allocator retries and OOMs / host RSS and pinned host memory / step time / real (unpadded)
-tokens per second, and the step's peak host memory (`host_peak_gb`: the process's peak resident set since the step
-began, read on Linux from /proc; RSS read at the step's end misses pageable offloading, whose host copies are freed
-by then). Rank 0 logs the max over ranks to `memory.jsonl` in the output dir and into the Trainer logs
-(so TensorBoard). Peaks are reset at each step start. At the end: `memory_summary.md` (NeMo-RL PR #926's table format)
-and `memory.png`.
+tokens per second, how far its peak reserved is from the GPU's limit (`headroom_gb`: the card's memory, or
+`memory.memory_cap_gb`, less peak reserved; a warning once a step comes within 5% of it or the allocator has had to
+free its cache and retry), and the step's peak host memory (`host_peak_gb`: the process's peak resident set since
+the step began, read on Linux from /proc; RSS read at the step's end misses pageable offloading, whose host copies
+are freed by then). Rank 0 logs the max over ranks to `memory.jsonl` in the output dir and into the Trainer logs
+(so TensorBoard). Peaks are reset at each step start. At the end: `memory_summary.md` (NeMo-RL PR #926's table
+format) and `memory.png`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from longdpo.training.flops import mfu
 
 logger = logging.getLogger(__name__)
 GB = 1e9
+NEAR_THE_LIMIT = 0.05  # of the GPU's memory: closer than this, a longer pair or a busier allocator can run out
 # Per-rank values reduced with MAX across ranks, in this order.
 _REDUCED = (
     "peak_allocated_gb",
@@ -73,6 +76,20 @@ def _host_memory() -> tuple[float, float | None]:
     return rss, pinned
 
 
+def near_the_limit(step: int, limit_gb: float, peak_reserved_gb: float, new_retries: int) -> str | None:
+    """The warning for a step within NEAR_THE_LIMIT of the GPU's memory or whose allocator had to free its cache and
+    retry a cudaMalloc (a step that nearly ran out, and ran slower for it); None for a step with room."""
+    headroom = limit_gb - peak_reserved_gb
+    if headroom >= NEAR_THE_LIMIT * limit_gb and not new_retries:
+        return None
+    retried = f"; the allocator freed its cache and retried {new_retries} time(s)" if new_retries else ""
+    return (
+        f"step {step} reserved {peak_reserved_gb:.1f} GB of the GPU's {limit_gb:.1f} GB ({headroom:.1f} GB left"
+        f"{retried}): a longer pair can run out of memory. `python launch/plan_memory.py` with this recipe names the "
+        "levers that make room, or lower data.max_length"
+    )
+
+
 class MemoryCallback(TrainerCallback):
     def __init__(self, memory: MemoryArgs, step_telemetry: list | None = None, label: str = ""):
         """`step_telemetry`: callables whose fields join each step's record (the levers'); `label`: the run's lever
@@ -87,6 +104,8 @@ class MemoryCallback(TrainerCallback):
         self._tokens_at_start = 0
         self._snapshotting = False
         self._phase_peaks = None  # [allocated, reserved] peaks before the optimizer step, then during it
+        self._retries = 0  # the allocator's retries so far (its counter never restarts)
+        self._warned = False
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _keep_earlier_records(self, output_dir: str, resumed_at: int) -> None:
@@ -104,6 +123,11 @@ class MemoryCallback(TrainerCallback):
     @staticmethod
     def _cuda() -> bool:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _limit_gb(self) -> float:
+        """What this rank's GPU can hold: the recipe's cap where it sets one, else the card's memory."""
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GB
+        return min(self.memory.memory_cap_gb or total, total)
 
     # -- events --------------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -168,6 +192,17 @@ class MemoryCallback(TrainerCallback):
             "cuda": self._cuda(),
         }
         record["mfu"] = mfu(record.get("model_tflops"), reduced["step_time_s"])
+        if self._cuda():
+            record["gpu_limit_gb"] = round(self._limit_gb(), 4)
+            record["headroom_gb"] = round(record["gpu_limit_gb"] - reduced["peak_reserved_gb"], 4)
+            retries = int(reduced["alloc_retries"])
+            warning = near_the_limit(
+                state.global_step, record["gpu_limit_gb"], reduced["peak_reserved_gb"], retries - self._retries
+            )
+            self._retries = retries
+            if warning and not self._warned and state.is_world_process_zero:
+                logger.warning(warning)
+                self._warned = True
         if host_peak is None:
             record["host_peak_gb"] = None
         if not self._cuda():  # no GPU: the GPU fields mean nothing
@@ -224,6 +259,7 @@ class MemoryCallback(TrainerCallback):
             "tokens_per_s",
             "model_tflops",
             "mfu",
+            "headroom_gb",
         )
         last = self.records[-1] if self.records else {}
         return {f"memory/{k}": last[k] for k in keep if last.get(k) is not None}
@@ -246,11 +282,11 @@ def write_summary(records: list[dict], output_dir: str, log_history: list[dict] 
     med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     if any(r.get("peak_allocated_gb") is not None for r in records):
         table = (
-            "| Levers | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Host peak (GB) | Step Time (s) | "
-            "Tokens/s | MFU |\n|---|---|---|---|---|---|---|---|\n"
+            "| Levers | Peak Allocated (GB) | Peak Reserved (GB) | Frag gap (GB) | Headroom (GB) | Host peak (GB) | "
+            "Step Time (s) | Tokens/s | MFU |\n|---|---|---|---|---|---|---|---|---|\n"
             f"| {label or 'this run'} | {fmt('peak_allocated_gb', max)} | {fmt('peak_reserved_gb', max)} | "
-            f"{fmt('frag_gap_gb', max)} | {fmt('host_peak_gb', max)} | {fmt('step_time_s', med)} | "
-            f"{fmt('tokens_per_s', med)} | {fmt('mfu', med)} |\n"
+            f"{fmt('frag_gap_gb', max)} | {fmt('headroom_gb', min)} | {fmt('host_peak_gb', max)} | "
+            f"{fmt('step_time_s', med)} | {fmt('tokens_per_s', med)} | {fmt('mfu', med)} |\n"
         )
     else:  # a CPU run: no GPU memory to report, so what there is
         table = (
@@ -301,6 +337,9 @@ def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
         mem.plot(
             steps, [r["peak_reserved_gb"] for r in records], color="tab:purple", label="GPU peak reserved", **style
         )
+        limits = [r["gpu_limit_gb"] for r in records if r.get("gpu_limit_gb")]
+        if limits:
+            mem.axhline(min(limits), color="grey", linestyle=":", linewidth=1, label="the GPU's limit")
         mem.set_title("Memory per step")
     else:
         mem.set_title("Memory per step (no GPU: host memory only)")
@@ -309,7 +348,11 @@ def _plot(records: list[dict], path: str, log_history: list[dict]) -> None:
     mem.plot(steps, [r[host] for r in records], color="tab:brown", label=host[:-3].replace("_", " "), **style)
     mem.set_ylim(
         bottom=0,
-        top=max(1e-3, *(v for r in records for v in (r.get("peak_reserved_gb"), r[host]) if v is not None)) * 1.15,
+        top=max(
+            1e-3,
+            *(v for r in records for v in (r.get("peak_reserved_gb"), r.get("gpu_limit_gb"), r[host]) if v is not None),
+        )
+        * 1.15,
     )
     mem.set_ylabel("GB (max over ranks)")
     mem.legend(fontsize=8, loc="lower right")

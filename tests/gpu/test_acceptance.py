@@ -527,6 +527,9 @@ def test_run_exits_0_starts_at_ln2_and_writes_telemetry(runs, name):
     assert abs(losses[0] - math.log(2)) < 1e-3, losses
     assert [x["step"] for x in r["records"]] == list(range(1, STEPS + 1))
     assert all(x["cuda"] and x["peak_reserved_gb"] > 0 for x in r["records"])
+    # how close each step came to the card (or the recipe's cap); telemetry rounds to 1e-4 GB, twice here
+    assert all(0 < x["headroom_gb"] < x["gpu_limit_gb"] for x in r["records"])
+    assert all(abs(x["gpu_limit_gb"] - x["peak_reserved_gb"] - x["headroom_gb"]) <= 2e-4 for x in r["records"])
     for written in ("memory_summary.md", "memory.png"):
         assert os.path.exists(os.path.join(r["out_dir"], written)), written
 
