@@ -27,11 +27,11 @@ from transformers import TrainerCallback
 from longdpo import patches
 from longdpo.cluster.distributed import max_over_ranks
 from longdpo.config import MemoryArgs
+from longdpo.planner.plan import NEAR_THE_LIMIT
 from longdpo.training.flops import mfu
 
 logger = logging.getLogger(__name__)
 GB = 1e9
-NEAR_THE_LIMIT = 0.05  # of the GPU's memory: closer than this, a longer pair or a busier allocator can run out
 # Per-rank values reduced with MAX across ranks, in this order.
 _REDUCED = (
     "peak_allocated_gb",

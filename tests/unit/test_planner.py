@@ -312,6 +312,11 @@ def test_cli_verdicts(capsys, monkeypatch):
 
     fits = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", "80GB")
     assert fits.returncode == 0 and "verdict: FITS in 80 GB" in fits.stdout
+    # what is left beside the verdict, and a word where under 5% of the GPU is left
+    reserved = float(re.search(r"predicted peak reserved\s+([\d.]+) GB", fits.stdout).group(1))
+    assert f"per GPU ({80 - reserved:.1f} GB to spare)" in fits.stdout
+    close = cli("--recipe", "recipes/nemotron12b/dpo_12k.yaml", "--gpus", "8", "--gpu-memory", f"{reserved + 1}GB")
+    assert "per GPU (1.0 GB to spare, under 5%: a longer pair can run out)" in close.stdout
     # no --host-memory: the offloaded activations are set against this machine's RAM, said but not judged
     assert "GB per node needed; this machine has" in fits.stdout and "`--host-memory` checks the nodes" in fits.stdout
     # 12.2 B parameters x (16 B of ZeRO-3 states + 2 B of 16-bit weights)
