@@ -7,6 +7,9 @@ sums exceed the wall time and cannot say what stretched. This reads the trace an
 ran while a kernel of another stream was running, and the rows (and streams) of those other kernels.
 
     python tools/analyze_trace.py profiles/layer-liger-chunked8-head-offload_65536.trace.json.gz [--out overlap.md]
+
+`--kernels ROW` lists instead which kernels make up one row (backward:other, say): per kernel name, its total ms and
+how many times it ran, largest first.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def kernels(events: list[dict]) -> list[dict]:
     return [
         {
             "row": rows.get(e.get("args", {}).get("correlation"), "unlabelled"),
+            "name": e.get("name", "?"),
             "stream": e.get("args", {}).get("stream", e.get("tid")),
             "start": e["ts"],
             "end": e["ts"] + e["dur"],
@@ -111,10 +115,24 @@ def render(rows: dict, top: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
+def row_kernels(ks: list[dict], row: str, top: int = 20) -> str:
+    """The kernels launched under `row`, per name: total ms and count, largest first (names cut to 100 characters)."""
+    by_name = defaultdict(lambda: [0.0, 0])
+    for k in ks:
+        if k["row"] == row:
+            by_name[k["name"]][0] += (k["end"] - k["start"]) / 1e3
+            by_name[k["name"]][1] += 1
+    lines = [f"| kernel under {row} | ms | launches |", "|---|---|---|"]
+    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| `{name[:100]}` | {ms:.1f} | {n} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="a profile_step<N>.trace.json.gz written by longdpo/training/profiling.py")
     p.add_argument("--out", help="also write the table here")
+    p.add_argument("--kernels", metavar="ROW", help="list the kernels of this row instead (e.g. backward:other)")
     args = p.parse_args(argv)
     try:
         ks = kernels(load(args.trace))
@@ -123,7 +141,9 @@ def main(argv=None) -> dict:
     if not ks:
         sys.exit(f"error: {args.trace} holds no GPU kernels (a CPU-only run): nothing runs side by side.")
     rows = overlaps(ks)
-    table = render(rows)
+    if args.kernels and args.kernels not in rows:
+        sys.exit(f"error: no kernels under {args.kernels!r}; the rows of this trace: {', '.join(sorted(rows))}.")
+    table = row_kernels(ks, args.kernels) if args.kernels else render(rows)
     print(table, end="")
     if args.out:
         with open(args.out, "w") as f:

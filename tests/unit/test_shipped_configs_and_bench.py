@@ -443,6 +443,11 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
     )
     assert rows["unlabelled"]["kernel_ms"] == pytest.approx(0.01) and rows["unlabelled"]["overlapped_ms"] == 0
     assert "| forward:mlp | 0.1 | 0.1 |" in (tmp_path / "overlap.md").read_text()
+    # --kernels: which kernels make up one row
+    analyze_trace.main([str(path), "--kernels", "forward:attention", "--out", str(tmp_path / "kernels.md")])
+    assert (tmp_path / "kernels.md").read_text().splitlines()[2:] == ["| `k2` | 0.1 | 1 |"]
+    with pytest.raises(SystemExit, match="no kernels under 'backward:other'; the rows of this trace: forward:atte"):
+        analyze_trace.main([str(path), "--kernels", "backward:other"])
 
 
 def test_gpu_suite_parts_cover_it_once_and_keep_compared_runs_together():
