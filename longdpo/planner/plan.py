@@ -60,6 +60,13 @@ GB = 1e9
 # Closer than this share of a limit, a longer pair or a fuller allocator can run out: the planner says so beside
 # its verdict, and training warns when a step comes this close to the GPU's memory.
 NEAR_THE_LIMIT = 0.05
+
+
+def near_the_limit(used: float, limit: float) -> bool:
+    """Less than NEAR_THE_LIMIT of `limit` left after `used`."""
+    return limit - used < NEAR_THE_LIMIT * limit
+
+
 SUB_GROUP = 1e9  # DeepSpeed ZeRO-3's default sub_group_size: parameters per optimizer sub-step
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
 # Lever sets the planner proposes whole (measured: the first the best at 12k, 5.56 GB for 1.07x stock's time; the
@@ -509,12 +516,8 @@ def render(result: Plan) -> str:
     for used, limit, where in result.limits():
         verdict = f"  verdict: {'FITS' if used <= limit else 'DOES NOT FIT'} in {limit:g} GB {where}"
         if used <= limit:
-            verdict += f" ({limit - used:.1f} GB to spare"
-            verdict += (
-                f", under {NEAR_THE_LIMIT:.0%}: a longer pair can run out)"
-                if limit - used < NEAR_THE_LIMIT * limit
-                else ")"
-            )
+            close = f", under {NEAR_THE_LIMIT:.0%}: a longer pair can run out" if near_the_limit(used, limit) else ""
+            verdict += f" ({limit - used:.1f} GB to spare{close})"
         lines.append(verdict)
     if result.fits is False:
         if result.suggestions:

@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 from longdpo import patches
 from longdpo.cluster.distributed import max_over_ranks
 from longdpo.config import MemoryArgs
-from longdpo.planner.plan import NEAR_THE_LIMIT
+from longdpo.planner import plan
 from longdpo.training.flops import mfu
 
 logger = logging.getLogger(__name__)
@@ -77,10 +77,11 @@ def _host_memory() -> tuple[float, float | None]:
 
 
 def near_the_limit(step: int, limit_gb: float, peak_reserved_gb: float, new_retries: int) -> str | None:
-    """The warning for a step within NEAR_THE_LIMIT of the GPU's memory or whose allocator had to free its cache and
-    retry a cudaMalloc (a step that nearly ran out, and ran slower for it); None for a step with room."""
+    """The warning for a step within plan.NEAR_THE_LIMIT of the GPU's memory (the planner's line) or whose allocator
+    had to free its cache and retry a cudaMalloc (a step that nearly ran out, and ran slower for it); None for a step
+    with room."""
     headroom = limit_gb - peak_reserved_gb
-    if headroom >= NEAR_THE_LIMIT * limit_gb and not new_retries:
+    if not plan.near_the_limit(peak_reserved_gb, limit_gb) and not new_retries:
         return None
     retried = f"; the allocator freed its cache and retried {new_retries} time(s)" if new_retries else ""
     return (
