@@ -8,8 +8,11 @@ ran while a kernel of another stream was running, and the rows (and streams) of 
 
     python tools/analyze_trace.py profiles/layer-liger-chunked8-head-offload_65536.trace.json.gz [--out overlap.md]
 
-`--kernels ROW` lists instead which kernels make up one row (backward:other, say): per kernel name, its total ms and
-how many times it ran, largest first.
+Backward kernels are charged as the step's breakdown charges them: to the autograd node that launched them
+(backward:attention, backward:matmul, ... by the node's name), unless a label sits inside it (a checkpoint's recompute).
+
+`--kernels ROW` lists instead which kernels make up one row (backward:other, say): per kernel name (and, in backward
+rows, the autograd node that launched it), its total ms and how many times it ran, largest first.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import gzip
 import json
 import sys
 from collections import defaultdict
+
+from longdpo.training.profiling import AUTOGRAD_NODE, backward_row
 
 PREFIXES = ("longdpo:", "recipes:")  # longdpo/training/profiling.py's labels (the committed older traces say recipes:)
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
@@ -30,14 +35,26 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+def _range(e: dict) -> tuple | None:
+    """(row, autograd node or None) of a range that names a row: a `longdpo:` label or an autograd node."""
+    name = e.get("name", "")
+    prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+    if prefix:
+        return name[len(prefix) :], None
+    if name.startswith(AUTOGRAD_NODE):
+        node = name[len(AUTOGRAD_NODE) :]
+        return backward_row(node), node
+    return None
+
+
 def _launch_rows(events: list[dict]) -> dict:
-    """correlation id -> the innermost `longdpo:` label around the call that launched it, one sweep per CPU thread
-    (labels nest on a thread: a stack of the open ones)."""
+    """correlation id -> (row, node): the innermost label or autograd node around the call that launched it, one sweep
+    per CPU thread (ranges nest on a thread: a stack of the open ones)."""
     per_thread = defaultdict(list)  # tid -> (ts, order, what): ranges sort before launches at the same ts
     for e in events:
-        prefix = next((p for p in PREFIXES if e.get("name", "").startswith(p)), None)
-        if e.get("ph") == "X" and prefix:
-            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], e["name"][len(prefix) :])))
+        named = _range(e) if e.get("ph") == "X" else None
+        if named:
+            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], named)))
         elif e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
             per_thread[e["tid"]].append((e["ts"], 1, e["args"]["correlation"]))
     rows = {}
@@ -49,24 +66,23 @@ def _launch_rows(events: list[dict]) -> dict:
             if order == 0:
                 open_ranges.append(what)
             else:
-                rows[what] = open_ranges[-1][1] if open_ranges else "unlabelled"
+                rows[what] = open_ranges[-1][1] if open_ranges else ("unlabelled", None)
     return rows
 
 
 def kernels(events: list[dict]) -> list[dict]:
-    """Every GPU kernel with its stream, interval and row (the label around the call that launched it)."""
-    rows = _launch_rows(events)
-    return [
-        {
-            "row": rows.get(e.get("args", {}).get("correlation"), "unlabelled"),
-            "name": e.get("name", "?"),
-            "stream": e.get("args", {}).get("stream", e.get("tid")),
-            "start": e["ts"],
-            "end": e["ts"] + e["dur"],
-        }
-        for e in events
-        if e.get("cat") == "kernel"
-    ]
+    """Every GPU kernel with its stream, interval, row and autograd node (what was around the call that launched it)."""
+    launched = _launch_rows(events)
+    ks = []
+    for e in events:
+        if e.get("cat") == "kernel":
+            row, node = launched.get(e.get("args", {}).get("correlation"), ("unlabelled", None))
+            stream = e.get("args", {}).get("stream", e.get("tid"))
+            start, end = e["ts"], e["ts"] + e["dur"]
+            ks.append(
+                {"row": row, "node": node, "name": e.get("name", "?"), "stream": stream, "start": start, "end": end}
+            )
+    return ks
 
 
 def overlaps(ks: list[dict]) -> dict:
@@ -116,15 +132,17 @@ def render(rows: dict, top: int = 3) -> str:
 
 
 def row_kernels(ks: list[dict], row: str, top: int = 20) -> str:
-    """The kernels launched under `row`, per name: total ms and count, largest first (names cut to 100 characters)."""
+    """The kernels launched under `row`, per name (after the autograd node that launched it, in backward rows): total ms
+    and count, largest first (kernel names cut to 100 characters)."""
     by_name = defaultdict(lambda: [0.0, 0])
     for k in ks:
         if k["row"] == row:
-            by_name[k["name"]][0] += (k["end"] - k["start"]) / 1e3
-            by_name[k["name"]][1] += 1
+            name = f"{k['node']}: {k['name'][:100]}" if k["node"] else k["name"][:100]
+            by_name[name][0] += (k["end"] - k["start"]) / 1e3
+            by_name[name][1] += 1
     lines = [f"| kernel under {row} | ms | launches |", "|---|---|---|"]
     for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"| `{name[:100]}` | {ms:.1f} | {n} |")
+        lines.append(f"| `{name}` | {ms:.1f} | {n} |")
     return "\n".join(lines) + "\n"
 
 

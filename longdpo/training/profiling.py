@@ -29,9 +29,12 @@ from transformers import TrainerCallback
 from longdpo.model.families import decoder_modules
 from longdpo.model.forwards import PROFILE_LABEL, in_backward
 
-# backward node names (autograd's class names) -> kind
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "  # the profiler's range around each backward node
+# backward node names (autograd's class names) -> kind; the shared prompt's rejected-part attention is its own
+# autograd function (longdpo/levers/shared_prompt.py)
 _BACKWARD_KINDS = (
     ("Attention", "attention"),
+    ("PromptAndTail", "attention"),
     ("Flash", "attention"),
     ("Cudnn", "attention"),
     ("Mm", "matmul"),
@@ -85,6 +88,11 @@ def instrument_reference(ref_model: torch.nn.Module | None) -> None:
             label(layer, "reference")
 
 
+def backward_row(node: str) -> str:
+    """`backward:<kind>` of an autograd node's name (its class name, as in `PromptAndTailBackward`)."""
+    return "backward:" + next((k for key, k in _BACKWARD_KINDS if key in node), "other")
+
+
 def _row(event) -> str:
     """The innermost label around a profiler event."""
     e = event
@@ -92,10 +100,8 @@ def _row(event) -> str:
         name = e.name
         if name.startswith(PROFILE_LABEL):
             return name[len(PROFILE_LABEL) :]
-        if name.startswith("autograd::engine::evaluate_function: "):
-            node = name.split(": ", 1)[1]
-            kind = next((k for key, k in _BACKWARD_KINDS if key in node), "other")
-            return f"backward:{kind}"
+        if name.startswith(AUTOGRAD_NODE):
+            return backward_row(name[len(AUTOGRAD_NODE) :])
         if name.startswith("Optimizer.step"):  # torch optimizers' own range (DeepSpeed's step: its ops' rows)
             return "optimizer"
         e = e.cpu_parent

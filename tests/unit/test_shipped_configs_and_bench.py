@@ -429,6 +429,18 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
         x("kernel", "k2", 7, 200, 100, stream=7, correlation=2),
         x("kernel", "k3", 20, 150, 100, stream=20, correlation=3),
         x("kernel", "k4", 7, 300, 10, stream=7, correlation=4),
+        # the backward thread: kernels charged to the autograd node around their launch, as the step's breakdown does
+        # (the shared prompt's attention function counts as attention), a checkpoint's recompute label inside a node
+        x("cpu_op", "autograd::engine::evaluate_function: PromptAndTailBackward", 3, 400, 10),
+        x("cpu_op", "autograd::engine::evaluate_function: SliceBackward0", 3, 410, 10),
+        x("cpu_op", "autograd::engine::evaluate_function: CheckpointFunctionBackward", 3, 420, 30),
+        x("user_annotation", "longdpo:recompute:mlp", 3, 425, 10),
+        x("cuda_runtime", "cudaLaunchKernel", 3, 401, 1, correlation=5),
+        x("cuda_runtime", "cudaLaunchKernel", 3, 411, 1, correlation=6),
+        x("cuda_runtime", "cudaLaunchKernel", 3, 426, 1, correlation=7),
+        x("kernel", "cudnn_bprop", 7, 500, 20, stream=7, correlation=5),
+        x("kernel", "fill", 7, 520, 100, stream=7, correlation=6),
+        x("kernel", "gemm", 7, 620, 5, stream=7, correlation=7),
     ]
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -443,11 +455,15 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
     )
     assert rows["unlabelled"]["kernel_ms"] == pytest.approx(0.01) and rows["unlabelled"]["overlapped_ms"] == 0
     assert "| forward:mlp | 0.1 | 0.1 |" in (tmp_path / "overlap.md").read_text()
+    backward = {row: rows[row]["kernel_ms"] for row in ("backward:attention", "backward:other", "recompute:mlp")}
+    assert backward == pytest.approx({"backward:attention": 0.02, "backward:other": 0.1, "recompute:mlp": 0.005})
     # --kernels: which kernels make up one row
     analyze_trace.main([str(path), "--kernels", "forward:attention", "--out", str(tmp_path / "kernels.md")])
     assert (tmp_path / "kernels.md").read_text().splitlines()[2:] == ["| `k2` | 0.1 | 1 |"]
-    with pytest.raises(SystemExit, match="no kernels under 'backward:other'; the rows of this trace: forward:atte"):
-        analyze_trace.main([str(path), "--kernels", "backward:other"])
+    analyze_trace.main([str(path), "--kernels", "backward:other", "--out", str(tmp_path / "kernels.md")])
+    assert (tmp_path / "kernels.md").read_text().splitlines()[2:] == ["| `SliceBackward0: fill` | 0.1 | 1 |"]
+    with pytest.raises(SystemExit, match="no kernels under 'optimizer'; the rows of this trace: backward:attention"):
+        analyze_trace.main([str(path), "--kernels", "optimizer"])
 
 
 def test_gpu_suite_parts_cover_it_once_and_keep_compared_runs_together():
