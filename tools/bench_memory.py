@@ -73,6 +73,8 @@ def build_command(args, name: str, seq: int, out_dir: str, shape: str = "equal")
     if args.profile:
         overrides["memory.profile_step"] = str(args.steps)
     flat = [x for k, v in overrides.items() for x in (f"--{k}", v)] + ["--no_final_save"]
+    if args.skip_preflight:
+        flat.append("--skip-preflight")
     script = os.path.join(ROOT, "launch", "train_dpo.py")
     if args.launcher == "python":
         return [sys.executable, script, "--recipe", args.recipe, *flat]
@@ -376,6 +378,11 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=29600)
     p.add_argument("--memory-cap-gb", type=float, default=None, help="emulate a smaller GPU (e.g. 80 for an H100)")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="run configurations the planner predicts will not fit (to measure how close they come)",
+    )
     p.add_argument(
         "--snapshot",
         action="store_true",

@@ -123,6 +123,10 @@ def test_bench_command_layers_configuration_over_neutral_base():
     z3 = parse_args(["--out", "/tmp/x", "--gpus", "8"])
     cmd = build_command(z3, "stock", 12288, "/tmp/x/run")
     assert os.path.basename(cmd[0]) == "deepspeed" and cmd[1:3] == ["--num_gpus", "8"]
+    forced = parse_args(["--out", "/tmp/x", "--skip-preflight"])
+    assert (
+        "--skip-preflight" not in cmd and build_command(forced, "stock", 12288, "/tmp/x/run")[-1] == "--skip-preflight"
+    )
     assert "ds_configs/zero3.json" in cmd and dict(zip(cmd, cmd[1:]))["--per_device_train_batch_size"] == "1"
     assert parse_args(["--out", "/tmp/x", "--seq-tokens", "4096,65536"]).seq_tokens == [4096, 65536]
     for bad in (["--seq-tokens", "32k"], ["--seq-tokens", "0"], ["--gpus", "0"], ["--layers", "-1"]):
