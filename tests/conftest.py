@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ FAULTS = os.path.join(ROOT, "tests", "launch", "fault_worker.py")  # train_dpo.p
 ZERO3 = os.path.join(ROOT, "ds_configs", "zero3.json")
 # one tiny run takes under a minute on a 2-core box; a hung one is killed whole at this, not at CI's limit
 RUN_TIMEOUT_S = 300
+ZERO3_STEPS = ["--max_steps", "4", "--save_steps", "2", "--report_to", "none"]  # the ds2 fixture's run
 
 
 def free_port() -> int:
@@ -105,6 +107,22 @@ def run_train(
 def summary(out_dir) -> dict:
     with open(os.path.join(out_dir, "train_summary.json")) as f:
         return json.load(f)
+
+
+def shm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+
+
+@pytest.fixture(scope="session")
+def ds2(tmp_path_factory):
+    """The tiny recipe on 2 processes under the deepspeed launcher, ZeRO-3 over gloo: 4 steps of 2 pairs per rank,
+    checkpoints at steps 2 and 4; the curve that resumed, patched and interrupted 2-rank runs must reproduce."""
+    out = tmp_path_factory.mktemp("ds2")
+    before = shm_segments()
+    proc = run_train(out, *ZERO3_STEPS, "--per_device_train_batch_size", "2", launcher="deepspeed", procs=2)
+    (out / "launch.log").write_text(proc.stdout)
+    (out / "shm_left.json").write_text(json.dumps(sorted(shm_segments() - before)))
+    return out
 
 
 @pytest.fixture(scope="session")
