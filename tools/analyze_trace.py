@@ -23,9 +23,11 @@ import json
 import sys
 from collections import defaultdict
 
+from longdpo.model.forwards import PROFILE_LABEL
 from longdpo.training.profiling import AUTOGRAD_NODE, backward_row
 
-PREFIXES = ("longdpo:", "recipes:")  # longdpo/training/profiling.py's labels (the committed older traces say recipes:)
+PREFIXES = (PROFILE_LABEL, "recipes:")  # the step profile's labels (the committed older traces say recipes:)
+UNLABELLED = ("unlabelled", None)  # (row, autograd node) of a launch outside every label and node
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
@@ -66,7 +68,7 @@ def _launch_rows(events: list[dict]) -> dict:
             if order == 0:
                 open_ranges.append(what)
             else:
-                rows[what] = open_ranges[-1][1] if open_ranges else ("unlabelled", None)
+                rows[what] = open_ranges[-1][1] if open_ranges else UNLABELLED
     return rows
 
 
@@ -76,7 +78,7 @@ def kernels(events: list[dict]) -> list[dict]:
     ks = []
     for e in events:
         if e.get("cat") == "kernel":
-            row, node = launched.get(e.get("args", {}).get("correlation"), ("unlabelled", None))
+            row, node = launched.get(e.get("args", {}).get("correlation"), UNLABELLED)
             stream = e.get("args", {}).get("stream", e.get("tid"))
             start, end = e["ts"], e["ts"] + e["dur"]
             ks.append(
