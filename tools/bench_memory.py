@@ -454,6 +454,24 @@ def merge(paths: list[str], out: str) -> list[dict]:
     return results
 
 
+# One line per run on stdout: what a log alone must keep of a run when its --out folder is lost
+SUMMARY_LINE = (
+    "config",
+    "seq_tokens",
+    "workload",
+    "rc",
+    "above_weights_gb",
+    "peak_reserved_gb",
+    "step_time_s",
+    "mean_step_time_s",
+    "tokens_per_s",
+    "model_tflops_per_step",
+    "mfu_of_peak",
+    "reserved_spread_after_10_gb",
+    "planner_predicted_reserved_gb",
+)
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.merge:
@@ -469,24 +487,7 @@ def main(argv=None) -> list[dict]:
     ]
     for seq, shape, name in runs:
         results.append(run_one(args, name, seq, shape))
-        print(
-            json.dumps(
-                {
-                    k: results[-1].get(k)
-                    for k in (
-                        "config",
-                        "seq_tokens",
-                        "workload",
-                        "rc",
-                        "above_weights_gb",
-                        "peak_reserved_gb",
-                        "step_time_s",
-                        "tokens_per_s",
-                    )
-                }
-            ),
-            flush=True,
-        )
+        print(json.dumps({k: results[-1].get(k) for k in SUMMARY_LINE}), flush=True)
         write_outputs(args.out, env, results)
     return results
 

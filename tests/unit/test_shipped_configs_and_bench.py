@@ -244,9 +244,9 @@ def test_snapshot_replay_finds_what_holds_the_peak(tmp_path):
 
 
 @pytest.mark.launcher
-def test_bench_end_to_end_on_cpu(tmp_path):
+def test_bench_end_to_end_on_cpu(tmp_path, capsys):
     """The real path: two configurations in fresh processes, results JSON + table + chart."""
-    from tools.bench_memory import main
+    from tools.bench_memory import SUMMARY_LINE, main
 
     results = main(
         [
@@ -269,6 +269,10 @@ def test_bench_end_to_end_on_cpu(tmp_path):
     )
     assert [r["rc"] for r in results] == [0, 0]
     assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)  # levers change no numerics
+    # one line a run on stdout keeps its figures where the --out folder is lost
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert lines == [{k: r.get(k) for k in SUMMARY_LINE} for r in results]
+    assert all(line["mean_step_time_s"] > 0 and line["model_tflops_per_step"] > 0 for line in lines)
     # the profiled last step: each module kind's forward, its recompute by the checkpoints, and autograd's backward
     rows = results[1]["profile"]["kernel_ms"]
     for row in (
