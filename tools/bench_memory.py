@@ -454,7 +454,7 @@ def merge(paths: list[str], out: str) -> list[dict]:
     return results
 
 
-# One line per run on stdout: what a log alone must keep of a run when its --out folder is lost
+# One line per run on stdout: enough to compare the runs from the log alone (the per-step records are in --out)
 SUMMARY_LINE = (
     "config",
     "seq_tokens",

@@ -269,7 +269,7 @@ def test_bench_end_to_end_on_cpu(tmp_path, capsys):
     )
     assert [r["rc"] for r in results] == [0, 0]
     assert results[0]["losses"] == pytest.approx(results[1]["losses"], abs=1e-6)  # levers change no numerics
-    # one line a run on stdout keeps its figures where the --out folder is lost
+    # one line a run on stdout: its figures from the log alone
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert lines == [{k: r.get(k) for k in SUMMARY_LINE} for r in results]
     assert all(line["mean_step_time_s"] > 0 and line["model_tflops_per_step"] > 0 for line in lines)
