@@ -61,7 +61,9 @@ def calibrate() -> dict:
             residual = row["peak_allocated_gb"] * 1e9 - predict(s, base).peak_allocated_gb * 1e9
             num, den = num + residual * tokens(s), den + tokens(s) ** 2
         factors = []
-        for s, row, _ in items:
+        # rows run with an allocator setting measure that setting (its own factor, the allocator lever's fit): the
+        # lever set's reserved factor comes from the default allocator's rows where it has any
+        for s, row, _ in [item for item in items if not item[0].levers.allocator_conf] or items:
             fixed = resident(s, base)
             factors.append((row["peak_reserved_gb"] - fixed) / (row["peak_allocated_gb"] - fixed))
         cal["hidden"] = items[0][0].hidden  # the width the per-token coefficients were measured at

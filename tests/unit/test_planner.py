@@ -297,6 +297,28 @@ def test_calibration_file_is_what_the_results_give():
     assert calibrate() == load_calibration()
 
 
+def test_a_lever_sets_reserved_factor_comes_from_the_default_allocators_rows():
+    """Rows run with an allocator setting measure that setting (its own factor): `norm_attn_mlp` has rows of both, and
+    its reserved factor is the mean over the default allocator's rows alone."""
+    from calibrate_planner import resident
+    from gpu_results import measured_rows, setup_from_result
+
+    base = {"configs": {"norm_attn_mlp": {"per_token_bytes": 0.0, "reserved_factor": 1.0}}, "allocator_factors": {}}
+    factors = {False: [], True: []}
+    for env, row, _src in measured_rows():
+        s = setup_from_result(env, row)
+        if env["mode"] == "emulate" and s.levers.priced_name == "norm_attn_mlp":
+            fixed = resident(s, base)
+            factors[bool(s.levers.allocator_conf)].append(
+                (row["peak_reserved_gb"] - fixed) / (row["peak_allocated_gb"] - fixed)
+            )
+    default, every = factors[False], factors[False] + factors[True]
+    assert default and factors[True]
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    assert load_calibration()["configs"]["norm_attn_mlp"]["reserved_factor"] == pytest.approx(mean(default), abs=1e-4)
+    assert abs(mean(default) - mean(every)) > 0.01  # the two fits differ: this check can tell them apart
+
+
 def test_cli_verdicts(capsys, monkeypatch):
     """The planner's command line, run in this process (the last case as a real process: exit status and stderr)."""
     from types import SimpleNamespace
