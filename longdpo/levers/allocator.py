@@ -283,6 +283,17 @@ class Allocator(Lever):
                 "memory.allocator_conf: null (measured: max_split_size_mb:64 raised reserved 1.4x)",
                 s.replace(allocator_conf=None),
             )
+            return
+        # only where the setting has a measured factor (under ZeRO-3; one process has none yet, and is priced 1.0)
+        grown = s.replace(allocator_conf=NAMED["expandable"])
+        factor = plan_of(grown).terms.allocator_factor
+        if factor < 1:
+            yield (
+                0,
+                f"memory.allocator_conf: expandable_segments:True (measured under ZeRO-3: {factor:.2f}x the memory "
+                "reserved above the model states)",
+                grown,
+            )
 
     def spell(self, s, priced=False):
         if not s.allocator_conf or priced:

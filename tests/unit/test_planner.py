@@ -583,6 +583,31 @@ def test_zero3_on_one_gpu_suggests_one_process_without_deepspeed():
     assert not any("without DeepSpeed" in c for _, _, c, _ in _proposals(replace(s, ranks=8), predict))
 
 
+def test_expandable_segments_is_proposed_where_it_was_measured():
+    """Under ZeRO-3 the allocator's expandable segments have a measured factor: proposed first (no speed cost) when a
+    run does not fit; in one process it has none (priced as the default allocator), so it is not proposed there."""
+    from dataclasses import replace
+
+    from longdpo.planner.plan import _proposals, suggest
+
+    s = Setup(
+        params=12_247_782_400,
+        layer_params=272_640_000,
+        embed_params=671_088_640,
+        layers=40,
+        hidden=5120,
+        seq=65536,
+        zero3=True,
+        ranks=8,
+    )
+    grown = [(rank, alt) for rank, _, change, alt in _proposals(s, predict) if "expandable_segments:True" in change]
+    assert [(rank, alt.levers.allocator_conf) for rank, alt in grown] == [(0, "expandable_segments:True")]
+    assert predict(grown[0][1]).peak_reserved_gb < predict(s).peak_reserved_gb
+    assert suggest(s, predict(s).peak_reserved_gb - 1.0)[0][0].startswith("memory.allocator_conf: expandable_segments")
+    one = replace(s, zero3=False, ranks=1)
+    assert not any("expandable" in change for _, _, change, _ in _proposals(one, predict))
+
+
 def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
     """`max_length: null` trains without truncation: the planner plans for the longest pair of the data, not for
     TRL's default of 1,024 tokens (which under-predicted memory exactly when sequences are longest)."""
