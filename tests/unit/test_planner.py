@@ -15,6 +15,13 @@ from longdpo.levers import LeverSet
 from longdpo.planner.plan import Setup, count_params, load_calibration, predict, tokens
 
 
+def nemo12b(**settings) -> Setup:
+    """The 12B Mistral-NeMo architecture's Setup (its parameter counts: the first test), with these settings."""
+    return Setup(
+        params=12_247_782_400, layer_params=272_640_000, embed_params=671_088_640, layers=40, hidden=5120, **settings
+    )
+
+
 def test_parameter_count_of_the_12b_architecture_by_hand():
     cfg = MistralConfig(
         hidden_size=5120,
@@ -471,13 +478,7 @@ def test_out_of_memory_reports_the_fix_and_keeps_the_checkpoint(tmp_path):
 
 def test_sequence_parallel_divides_the_activations_not_the_model_states():
     """sp_size 8 at 131,072 tokens: each rank's activations are those of a 16,384-token run; states are unchanged."""
-    p, layer, embed = 12_247_782_400, 272_640_000, 671_088_640
-    base = Setup(
-        params=p,
-        layer_params=layer,
-        embed_params=embed,
-        layers=40,
-        hidden=5120,
+    base = nemo12b(
         seq=131072,
         ranks=8,
         ranks_per_node=8,
@@ -568,15 +569,7 @@ def test_zero3_on_one_gpu_suggests_one_process_without_deepspeed():
 
     from longdpo.planner.plan import _proposals
 
-    s = Setup(
-        params=12_247_782_400,
-        layer_params=272_640_000,
-        embed_params=671_088_640,
-        layers=40,
-        hidden=5120,
-        seq=4096,
-        zero3=True,
-    )
+    s = nemo12b(seq=4096, zero3=True)
     changes = {change: alt for _, _, change, alt in _proposals(s, predict)}
     alt = changes["one process without DeepSpeed (`python launch/train_dpo.py`)"]
     assert alt == replace(s, zero3=False)
@@ -590,16 +583,7 @@ def test_expandable_segments_is_proposed_where_it_was_measured():
 
     from longdpo.planner.plan import _proposals, suggest
 
-    s = Setup(
-        params=12_247_782_400,
-        layer_params=272_640_000,
-        embed_params=671_088_640,
-        layers=40,
-        hidden=5120,
-        seq=65536,
-        zero3=True,
-        ranks=8,
-    )
+    s = nemo12b(seq=65536, zero3=True, ranks=8)
     grown = [(rank, alt) for rank, _, change, alt in _proposals(s, predict) if "expandable_segments:True" in change]
     assert [(rank, alt.levers.allocator_conf) for rank, alt in grown] == [(0, "expandable_segments:True")]
     assert predict(grown[0][1]).peak_reserved_gb < predict(s).peak_reserved_gb
