@@ -63,7 +63,7 @@ def calibrate() -> dict:
         factors = []
         # rows run with an allocator setting measure that setting (its own factor, the allocator lever's fit): the
         # lever set's reserved factor comes from the default allocator's rows where it has any
-        for s, row, _ in [item for item in items if not item[0].levers.allocator_conf] or items:
+        for s, row, _ in [item for item in items if not terms_of(item[0], base).allocator_key] or items:
             fixed = resident(s, base)
             factors.append((row["peak_reserved_gb"] - fixed) / (row["peak_allocated_gb"] - fixed))
         cal["hidden"] = items[0][0].hidden  # the width the per-token coefficients were measured at
