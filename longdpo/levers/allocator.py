@@ -284,14 +284,14 @@ class Allocator(Lever):
                 s.replace(allocator_conf=None),
             )
             return
-        # only where the setting has a measured factor (under ZeRO-3; one process has none yet, and is priced 1.0)
+        # only where the setting has a measured factor (today under ZeRO-3; one process has none and is priced 1.0)
         grown = s.replace(allocator_conf=NAMED["expandable"])
         factor = plan_of(grown).terms.allocator_factor
         if factor < 1:
             yield (
                 0,
-                f"memory.allocator_conf: expandable_segments:True (measured under ZeRO-3: {factor:.2f}x the memory "
-                "reserved above the model states)",
+                f"memory.allocator_conf: expandable_segments:True (measured: {factor:.2f}x the memory reserved above "
+                "the model states)",
                 grown,
             )
 
