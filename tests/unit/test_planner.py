@@ -577,19 +577,26 @@ def test_zero3_on_one_gpu_suggests_one_process_without_deepspeed():
 
 
 def test_expandable_segments_is_proposed_where_it_was_measured():
-    """Under ZeRO-3 the allocator's expandable segments have a measured factor: proposed first (no speed cost) when a
-    run does not fit; in one process it has none (priced as the default allocator), so it is not proposed there."""
+    """Where the allocator's expandable segments have a measured factor (under ZeRO-3; in one process since a 64k
+    run measured it) they are proposed first (no speed cost) when a run does not fit; with no factor for a mode (a
+    calibration without it) the setting is priced as the default allocator and not proposed there."""
     from dataclasses import replace
 
-    from longdpo.planner.plan import _proposals, suggest
+    from longdpo.planner.plan import _proposals, load_calibration, suggest
 
-    s = nemo12b(seq=65536, zero3=True, ranks=8)
-    grown = [(rank, alt) for rank, _, change, alt in _proposals(s, predict) if "expandable_segments:True" in change]
-    assert [(rank, alt.levers.allocator_conf) for rank, alt in grown] == [(0, "expandable_segments:True")]
-    assert predict(grown[0][1]).peak_reserved_gb < predict(s).peak_reserved_gb
-    assert suggest(s, predict(s).peak_reserved_gb - 1.0)[0][0].startswith("memory.allocator_conf: expandable_segments")
-    one = replace(s, zero3=False, ranks=1)
-    assert not any("expandable" in change for _, _, change, _ in _proposals(one, predict))
+    def grown(s, plan_of=predict):
+        return [(rank, alt) for rank, _, change, alt in _proposals(s, plan_of) if "expandable_segments:True" in change]
+
+    zero3 = nemo12b(seq=65536, zero3=True, ranks=8)
+    one = replace(zero3, zero3=False, ranks=1)
+    for s in (zero3, one):
+        found = grown(s)
+        assert [(rank, alt.levers.allocator_conf) for rank, alt in found] == [(0, "expandable_segments:True")]
+        assert predict(found[0][1]).peak_reserved_gb < predict(s).peak_reserved_gb
+        assert suggest(s, predict(s).peak_reserved_gb - 1.0)[0][0].startswith("memory.allocator_conf: expandable")
+    cal = load_calibration()
+    cal["allocator_factors"] = {k: v for k, v in cal["allocator_factors"].items() if "@ one process" not in k}
+    assert not grown(one, lambda x: predict(x, cal)) and grown(zero3, lambda x: predict(x, cal))
 
 
 def test_max_length_null_plans_for_the_datas_longest_pair(tmp_path):
