@@ -8,8 +8,10 @@ ran while a kernel of another stream was running, and the rows (and streams) of 
 
     python tools/analyze_trace.py profiles/layer-liger-chunked8-head-offload_65536.trace.json.gz [--out overlap.md]
 
-Backward kernels are charged as the step's breakdown charges them: to the autograd node that launched them
-(backward:attention, backward:matmul, ... by the node's name), unless a label sits inside it (a checkpoint's recompute).
+Kernels are charged as the step's breakdown charges them (the same reading of the trace,
+longdpo/training/profiling.py): backward kernels to the autograd node that launched them (backward:attention,
+backward:matmul, ... by the node's name) unless a label sits inside it (a checkpoint's recompute); device<->host copies
+are their own row (`offload copies`), so the table shows how much of them ran beside compute.
 
 `--kernels ROW` lists instead which kernels make up one row (backward:other, say): per kernel name (and, in backward
 rows, the autograd node that launched it), its total ms and how many times it ran, largest first.
@@ -18,73 +20,11 @@ rows, the autograd node that launched it), its total ms and how many times it ra
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from collections import defaultdict
 
-from longdpo.model.forwards import PROFILE_LABEL
-from longdpo.training.profiling import AUTOGRAD_NODE, backward_row
-
-PREFIXES = (PROFILE_LABEL, "recipes:")  # the step profile's labels (the committed older traces say recipes:)
-UNLABELLED = ("unlabelled", None)  # (row, autograd node) of a launch outside every label and node
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-
-def load(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
-
-
-def _range(e: dict) -> tuple | None:
-    """(row, autograd node or None) of a range that names a row: a `longdpo:` label or an autograd node."""
-    name = e.get("name", "")
-    prefix = next((p for p in PREFIXES if name.startswith(p)), None)
-    if prefix:
-        return name[len(prefix) :], None
-    if name.startswith(AUTOGRAD_NODE):
-        node = name[len(AUTOGRAD_NODE) :]
-        return backward_row(node), node
-    return None
-
-
-def _launch_rows(events: list[dict]) -> dict:
-    """correlation id -> (row, node): the innermost label or autograd node around the call that launched it, one sweep
-    per CPU thread (ranges nest on a thread: a stack of the open ones)."""
-    per_thread = defaultdict(list)  # tid -> (ts, order, what): ranges sort before launches at the same ts
-    for e in events:
-        named = _range(e) if e.get("ph") == "X" else None
-        if named:
-            per_thread[e["tid"]].append((e["ts"], 0, (e["ts"] + e["dur"], named)))
-        elif e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            per_thread[e["tid"]].append((e["ts"], 1, e["args"]["correlation"]))
-    rows = {}
-    for items in per_thread.values():
-        open_ranges: list[tuple] = []
-        for ts, order, what in sorted(items, key=lambda item: item[:2]):
-            while open_ranges and open_ranges[-1][0] < ts:
-                open_ranges.pop()
-            if order == 0:
-                open_ranges.append(what)
-            else:
-                rows[what] = open_ranges[-1][1] if open_ranges else UNLABELLED
-    return rows
-
-
-def kernels(events: list[dict]) -> list[dict]:
-    """Every GPU kernel with its stream, interval, row and autograd node (what was around the call that launched it)."""
-    launched = _launch_rows(events)
-    ks = []
-    for e in events:
-        if e.get("cat") == "kernel":
-            row, node = launched.get(e.get("args", {}).get("correlation"), UNLABELLED)
-            stream = e.get("args", {}).get("stream", e.get("tid"))
-            start, end = e["ts"], e["ts"] + e["dur"]
-            ks.append(
-                {"row": row, "node": node, "name": e.get("name", "?"), "stream": stream, "start": start, "end": end}
-            )
-    return ks
+from longdpo.training.profiling import load_trace as load
+from longdpo.training.profiling import trace_kernels as kernels
 
 
 def overlaps(ks: list[dict]) -> dict:

@@ -474,6 +474,44 @@ def test_trace_overlap_by_row_and_stream(tmp_path):
         analyze_trace.main([str(path), "--kernels", "optimizer"])
 
 
+def test_step_breakdown_counts_each_kernel_once_where_it_was_launched():
+    """The profiled step's rows come from its trace: every kernel and copy once, under the innermost label around its
+    launch (a reference layer's label around an inner label, copies on their own row); the rows sum to the kernels'
+    time. The profiler's in-process events had charged one kernel to two rows (more kernel time than the step's
+    wall with nothing overlapping)."""
+    from longdpo.training.profiling import trace_breakdown
+
+    def x(cat, name, tid, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        x("user_annotation", "longdpo:forward:reference", 1, 0, 100),
+        x("user_annotation", "longdpo:forward:mlp", 1, 50, 40),
+        x("cpu_op", "aten::mm", 1, 10, 5),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 11, 1, correlation=1),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
+        x("cuda_runtime", "cudaMemcpyAsync", 1, 95, 1, correlation=3),
+        x("cpu_op", "Optimizer.step#SGD.step", 1, 200, 50),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 210, 1, correlation=4),
+        x("kernel", "gemm_ref", 7, 100, 300, stream=7, correlation=1),
+        x("kernel", "gemm_mlp", 7, 400, 200, stream=7, correlation=2),
+        x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 30, 400, 150, stream=30, correlation=3),
+        x("kernel", "sgd_update", 7, 600, 20, stream=7, correlation=4),
+        x("kernel", "ncclDevKernel_AllGather", 40, 600, 10, stream=40, correlation=99),
+    ]
+    rows = trace_breakdown(events)
+    assert rows == pytest.approx(
+        {
+            "forward:reference": 0.3,
+            "forward:mlp": 0.2,
+            "offload copies": 0.15,
+            "optimizer": 0.02,
+            "communication": 0.01,
+        }
+    )
+    assert sum(rows.values()) == pytest.approx(sum(e["dur"] for e in events if e["tid"] >= 7) / 1e3)
+
+
 def test_gpu_suite_parts_cover_it_once_and_keep_compared_runs_together():
     """GPU_ACCEPTANCE_PART=k/n: every run in exactly one part (stock in each), a run and its reference together."""
     import importlib.util
