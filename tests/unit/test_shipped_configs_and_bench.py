@@ -416,39 +416,41 @@ def test_imports_go_one_way():
     assert checked > 40
 
 
+def trace_event(cat, name, tid, ts, dur, **args):
+    """One complete event of a torch.profiler (kineto) trace."""
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
 def test_trace_overlap_by_row_and_stream(tmp_path):
     """A trace in torch.profiler's (kineto's) layout: labels on the CPU thread, launches and kernels tied by their
     correlation id. Each kernel is charged to the innermost label around its launch; overlap counts only kernels of
     other streams."""
     from tools import analyze_trace
 
-    def x(cat, name, tid, ts, dur, **args):
-        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
     events = [
-        x("user_annotation", "longdpo:forward:attention", 1, 0, 100),
-        x("user_annotation", "longdpo:forward:norm", 1, 10, 40),  # nested: the innermost label wins
-        x("user_annotation", "longdpo:forward:mlp", 1, 100, 100),
-        x("cuda_runtime", "cudaLaunchKernel", 1, 20, 1, correlation=1),
-        x("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
-        x("cuda_runtime", "cudaLaunchKernel", 1, 150, 1, correlation=3),
-        x("cuda_runtime", "cudaLaunchKernel", 2, 150, 1, correlation=4),  # a thread without labels
-        x("kernel", "k1", 7, 100, 100, stream=7, correlation=1),
-        x("kernel", "k2", 7, 200, 100, stream=7, correlation=2),
-        x("kernel", "k3", 20, 150, 100, stream=20, correlation=3),
-        x("kernel", "k4", 7, 300, 10, stream=7, correlation=4),
+        trace_event("user_annotation", "longdpo:forward:attention", 1, 0, 100),
+        trace_event("user_annotation", "longdpo:forward:norm", 1, 10, 40),  # nested: the innermost label wins
+        trace_event("user_annotation", "longdpo:forward:mlp", 1, 100, 100),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 1, 20, 1, correlation=1),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 1, 150, 1, correlation=3),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 2, 150, 1, correlation=4),  # a thread without labels
+        trace_event("kernel", "k1", 7, 100, 100, stream=7, correlation=1),
+        trace_event("kernel", "k2", 7, 200, 100, stream=7, correlation=2),
+        trace_event("kernel", "k3", 20, 150, 100, stream=20, correlation=3),
+        trace_event("kernel", "k4", 7, 300, 10, stream=7, correlation=4),
         # the backward thread: kernels charged to the autograd node around their launch, as the step's breakdown does
         # (the shared prompt's attention function counts as attention), a checkpoint's recompute label inside a node
-        x("cpu_op", "autograd::engine::evaluate_function: PromptAndTailBackward", 3, 400, 10),
-        x("cpu_op", "autograd::engine::evaluate_function: SliceBackward0", 3, 410, 10),
-        x("cpu_op", "autograd::engine::evaluate_function: CheckpointFunctionBackward", 3, 420, 30),
-        x("user_annotation", "longdpo:recompute:mlp", 3, 425, 10),
-        x("cuda_runtime", "cudaLaunchKernel", 3, 401, 1, correlation=5),
-        x("cuda_runtime", "cudaLaunchKernel", 3, 411, 1, correlation=6),
-        x("cuda_runtime", "cudaLaunchKernel", 3, 426, 1, correlation=7),
-        x("kernel", "cudnn_bprop", 7, 500, 20, stream=7, correlation=5),
-        x("kernel", "fill", 7, 520, 100, stream=7, correlation=6),
-        x("kernel", "gemm", 7, 620, 5, stream=7, correlation=7),
+        trace_event("cpu_op", "autograd::engine::evaluate_function: PromptAndTailBackward", 3, 400, 10),
+        trace_event("cpu_op", "autograd::engine::evaluate_function: SliceBackward0", 3, 410, 10),
+        trace_event("cpu_op", "autograd::engine::evaluate_function: CheckpointFunctionBackward", 3, 420, 30),
+        trace_event("user_annotation", "longdpo:recompute:mlp", 3, 425, 10),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 3, 401, 1, correlation=5),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 3, 411, 1, correlation=6),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 3, 426, 1, correlation=7),
+        trace_event("kernel", "cudnn_bprop", 7, 500, 20, stream=7, correlation=5),
+        trace_event("kernel", "fill", 7, 520, 100, stream=7, correlation=6),
+        trace_event("kernel", "gemm", 7, 620, 5, stream=7, correlation=7),
     ]
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -481,23 +483,20 @@ def test_step_breakdown_counts_each_kernel_once_where_it_was_launched():
     wall with nothing overlapping)."""
     from longdpo.training.profiling import trace_breakdown
 
-    def x(cat, name, tid, ts, dur, **args):
-        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
     events = [
-        x("user_annotation", "longdpo:forward:reference", 1, 0, 100),
-        x("user_annotation", "longdpo:forward:mlp", 1, 50, 40),
-        x("cpu_op", "aten::mm", 1, 10, 5),
-        x("cuda_runtime", "cudaLaunchKernel", 1, 11, 1, correlation=1),
-        x("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
-        x("cuda_runtime", "cudaMemcpyAsync", 1, 95, 1, correlation=3),
-        x("cpu_op", "Optimizer.step#SGD.step", 1, 200, 50),
-        x("cuda_runtime", "cudaLaunchKernel", 1, 210, 1, correlation=4),
-        x("kernel", "gemm_ref", 7, 100, 300, stream=7, correlation=1),
-        x("kernel", "gemm_mlp", 7, 400, 200, stream=7, correlation=2),
-        x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 30, 400, 150, stream=30, correlation=3),
-        x("kernel", "sgd_update", 7, 600, 20, stream=7, correlation=4),
-        x("kernel", "ncclDevKernel_AllGather", 40, 600, 10, stream=40, correlation=99),
+        trace_event("user_annotation", "longdpo:forward:reference", 1, 0, 100),
+        trace_event("user_annotation", "longdpo:forward:mlp", 1, 50, 40),
+        trace_event("cpu_op", "aten::mm", 1, 10, 5),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 1, 11, 1, correlation=1),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 1, 60, 1, correlation=2),
+        trace_event("cuda_runtime", "cudaMemcpyAsync", 1, 95, 1, correlation=3),
+        trace_event("cpu_op", "Optimizer.step#SGD.step", 1, 200, 50),
+        trace_event("cuda_runtime", "cudaLaunchKernel", 1, 210, 1, correlation=4),
+        trace_event("kernel", "gemm_ref", 7, 100, 300, stream=7, correlation=1),
+        trace_event("kernel", "gemm_mlp", 7, 400, 200, stream=7, correlation=2),
+        trace_event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 30, 400, 150, stream=30, correlation=3),
+        trace_event("kernel", "sgd_update", 7, 600, 20, stream=7, correlation=4),
+        trace_event("kernel", "ncclDevKernel_AllGather", 40, 600, 10, stream=40, correlation=99),
     ]
     rows = trace_breakdown(events)
     assert rows == pytest.approx(
