@@ -97,16 +97,12 @@ def backward_row(node: str) -> str:
 
 
 def _row(event) -> str:
-    """The innermost label around a profiler event."""
+    """The innermost label around a profiler event (the profiler's events in process: a run without a GPU)."""
     e = event
     while e is not None:
-        name = e.name
-        if name.startswith(PROFILE_LABEL):
-            return name[len(PROFILE_LABEL) :]
-        if name.startswith(AUTOGRAD_NODE):
-            return backward_row(name[len(AUTOGRAD_NODE) :])
-        if name.startswith("Optimizer.step"):  # torch optimizers' own range (DeepSpeed's step: its ops' rows)
-            return "optimizer"
+        named = _range({"name": e.name})
+        if named:
+            return named[0]
         e = e.cpu_parent
     return "other"
 
@@ -137,7 +133,8 @@ def load_trace(path: str) -> list[dict]:
 
 
 def _range(e: dict) -> tuple | None:
-    """(row, autograd node or None) of a range that names a row: a `longdpo:` label or an autograd node."""
+    """(row, autograd node or None) of a range that names a row: a `longdpo:` label, an autograd node or a torch
+    optimizer's step (DeepSpeed's step: its ops' rows)."""
     name = e.get("name", "")
     prefix = next((p for p in PREFIXES if name.startswith(p)), None)
     if prefix:
