@@ -184,7 +184,43 @@ def test_bench_summary_and_table():
         ]
     )
     assert "| 12288 | unequal | ours | 62.00 | 13.00 | 70.00 |" in table
+    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
     assert "| 65536 | equal | stock | OOM |" in table  # rows from before workloads were named ran equal pairs
+
+
+def test_reserved_memory_that_follows_a_larger_pair_is_not_creep():
+    """On a mix, the largest pair may come late: reserved memory that rises with the allocation is the pair's; what
+    the allocator holds beyond the largest allocation so far is what creeps."""
+    from tools.bench_memory import summarise
+
+    def run(reserved_at_12, allocated_at_12):
+        return [
+            {
+                "step": i,
+                "tokens": 1000 * i,
+                "peak_allocated_gb": 50.0 if i < 12 else allocated_at_12,
+                "peak_reserved_gb": 55.0 if i < 12 else reserved_at_12,
+                "step_time_s": 1.0,
+            }
+            for i in range(1, 16)
+        ]
+
+    larger_pair = summarise(run(reserved_at_12=58.0, allocated_at_12=53.0))
+    assert larger_pair["reserved_spread_after_10_gb"] == 3.0 and larger_pair["reserved_creep_after_10_gb"] == 0.0
+    creeping = summarise(run(reserved_at_12=58.0, allocated_at_12=50.0))
+    assert creeping["reserved_creep_after_10_gb"] == 3.0
+    # a smaller pair after a larger one leaves the allocator's cache as it was: not creep either
+    smaller_after = summarise(run(reserved_at_12=58.0, allocated_at_12=53.0)[:12] + run(58.0, 40.0)[12:])
+    assert smaller_after["reserved_creep_after_10_gb"] == 0.0
+    assert [s["tokens"] for s in larger_pair["steps"]] == [1000 * i for i in range(1, 16)]
+    assert larger_pair["steps"][11] == {
+        "step": 12,
+        "tokens": 12000,
+        "peak_allocated_gb": 53.0,
+        "peak_reserved_gb": 58.0,
+        "step_time_s": 1.0,
+        "model_tflops": None,
+    }
 
 
 def test_a_run_that_dies_after_its_first_step_is_not_a_measurement():
