@@ -139,6 +139,7 @@ def summarise(records: list[dict], profiled_step: int | None = None) -> dict:
         "host_pinned_gb": agg("host_pinned_gb", max),
         "host_peak_gb": agg("host_peak_gb", max),
         "alloc_retries": agg("alloc_retries", max),
+        "gpu_limit_gb": agg("gpu_limit_gb", max),
         "steps_measured": len(steady),
         # every step, the first included: its optimizer step allocates the optimizer state
         **{

@@ -9,6 +9,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shlex
 
 from longdpo.checks import check_deepspeed_config
@@ -81,8 +82,18 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
         emulate=environment["mode"] == "emulate",
         levers=lever_set,
         pads=row.get("workload", "equal") != "equal",
+        lengths_vary=row.get("workload") == "mixed",
         **facts,
     )
+
+
+def gpu_memory_gb(environment: dict, row: dict) -> float | None:
+    """The memory of the GPU a row ran on: what its telemetry read, or, in rows from before it was kept, the GB in the
+    card's name (a lower bound: an "80GB" H100 holds 85.0 GB)."""
+    if row.get("gpu_limit_gb"):
+        return row["gpu_limit_gb"]
+    named = re.search(r"(\d+)GB", environment.get("gpu") or "")
+    return float(named.group(1)) if named else None
 
 
 def benchmark_rows(pattern: str = RESULTS):

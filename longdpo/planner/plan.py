@@ -28,7 +28,10 @@ Per rank, in bytes (P = parameters, R = ranks ZeRO-3 shards over, T = tokens per
                  weights (12k -> 64k, one configuration: gap / activations 1.38, 1.39, 1.39), and it is fitted
                  apart on the real path where a configuration was measured there (fewer layers, less churn than
                  the 40-layer per-rank emulation); under ZeRO-3 the
-                 optimizer phase leaves a gap of its own (gathers, buckets, sub-group buffers)
+                 optimizer phase leaves a gap of its own (gathers, buckets, sub-group buffers); pairs of many lengths
+                 (a dataset, a synthetic mix) on the default allocator grow what is not resident by a measured factor
+                 (blocks cut for earlier shapes stay cached: 1.44x in one process, 40 layers, 32k), up to the GPU's
+                 memory, where the allocator frees its cache and retries; the verdict is the largest pair's
   host           activation offloading: (L - K + E) blocks of T x H x 2 bytes per rank, pinned ones rounded up to
                  a power of two (torch's pinned caching allocator) x pinned_factor; K = memory.offload_keep_layers,
                  whose layer inputs stay on the GPU as T x K x H x 2 checkpointed bytes; E = offload_extra_blocks,
@@ -97,6 +100,7 @@ class Setup:
     model_type: str = "mistral"
     pair_tokens: int | None = None  # measured on the data: the most tokens one pair's shared row puts through
     pads: bool = False  # a batch's rows differ in length (TRL pads them)
+    lengths_vary: bool = False  # pairs of many lengths follow one another (a dataset, a synthetic mix)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class Terms:
     mask_bytes: float = 0.0
     allocator_factor: float = 1.0
     allocator_key: str | None = None
+    mix_factor: float = 1.0  # pairs of many lengths on the default allocator: reserved grows past a fixed shape's
     upper_bound_without: list = field(default_factory=list)  # (key, why): unmeasured sets borrow these without it
     notes: list = field(default_factory=list)
 
@@ -256,6 +261,18 @@ def predict(
     allocated = states + ref + max(backward + mask, step)
     factor = coef.get("reserved_factor_zero3", coef["reserved_factor"]) if s.zero3 else coef["reserved_factor"]
     reserved = states + ref + max(backward * factor + mask, step + gap) * terms.allocator_factor
+    if terms.mix_factor != 1.0:
+        # Blocks cut for earlier pairs stay cached, so a larger pair arriving later takes fresh segments: reserved
+        # grows by mix_factor. The allocator frees its cache and retries before it runs out, so what must fit is
+        # the largest pair's fixed-shape figure; past the GPU's memory the growth only costs speed.
+        grown = states + ref + (reserved - states - ref) * terms.mix_factor
+        limit = gpu_memory_gb * GB if gpu_memory_gb else math.inf
+        if grown > max(reserved, limit):
+            terms.notes.append(
+                "on pairs of many lengths the CUDA allocator's cache grows to this GPU's memory: it will free its "
+                "cache and retry (slower; the proposals below say what avoids it)"
+            )
+        reserved = min(grown, max(reserved, limit))
     host = terms.host_bytes
     if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
@@ -353,6 +370,7 @@ def setup_from_recipe(
         lora_params=lora_params,
         model_type=getattr(arch, "model_type", "mistral"),
         pads=pairs_pad(recipe),
+        lengths_vary=not spec or "mix_seed" in spec,
         **facts,
     )
 
