@@ -95,8 +95,17 @@ def build_command(args, name: str, seq: int, out_dir: str, shape: str = "equal")
     ]
 
 
-# kept for every step of a run: a mix of pair shapes is read step by step
-STEP_FIELDS = ("step", "tokens", "peak_allocated_gb", "peak_reserved_gb", "step_time_s", "model_tflops")
+# kept for every step of a run: a mix of pair shapes is read step by step (pinned host memory: torch's pinned cache
+# rounds blocks up to a power of two, so a pair larger than any before may pin new blocks, a cost of that step)
+STEP_FIELDS = (
+    "step",
+    "tokens",
+    "peak_allocated_gb",
+    "peak_reserved_gb",
+    "step_time_s",
+    "model_tflops",
+    "host_pinned_gb",
+)
 
 
 def summarise(records: list[dict], profiled_step: int | None = None) -> dict:

@@ -220,6 +220,7 @@ def test_reserved_memory_that_follows_a_larger_pair_is_not_creep():
         "peak_reserved_gb": 58.0,
         "step_time_s": 1.0,
         "model_tflops": None,
+        "host_pinned_gb": None,
     }
 
 
