@@ -198,6 +198,11 @@ def apply_from_recipe(raw_recipe: dict) -> dict:
     return apply(memory.get("allocator_conf") if isinstance(memory, dict) else None)
 
 
+def _mode(setup) -> str:
+    """How a measured factor names the way a run was launched."""
+    return "zero3" if setup.zero3 else "one process"
+
+
 def _measured(factors: dict, mode: str, priced_name: str) -> float:
     """The factor measured for this mode and lever set; an unmeasured lever set takes the mean of the mode's."""
     same = [v for k, v in factors.items() if k.startswith(mode + " / ")]
@@ -261,7 +266,7 @@ class Allocator(Lever):
         return {"allocator": build.state.get("allocator")}
 
     def price(self, s, setup, terms, cal):
-        mode = "zero3" if setup.zero3 else "one process"
+        mode = _mode(setup)
         if not s.allocator_conf:
             if setup.lengths_vary:
                 # a mix whose run never met a pair as large as the plan's measures below it: the plan stays at the
@@ -296,7 +301,7 @@ class Allocator(Lever):
                 continue
             fixed_shape = planner.predict(replace(s, lengths_vary=False), cal).peak_reserved_gb
             resident = planner.resident(s, cal)
-            key = f"{'zero3' if s.zero3 else 'one process'} / {s.levers.priced_name}"
+            key = f"{_mode(s)} / {s.levers.priced_name}"
             grown.setdefault(key, []).append((row["peak_reserved_gb"] - resident) / (fixed_shape - resident))
         return {
             "allocator_factors": {k: round(sum(v) / len(v), 4) for k, v in sorted(ratios.items())},
