@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import sys
@@ -365,6 +366,11 @@ def plot(results: list[dict], path: str, curves: dict[str, list[str]] | None = N
     plt.close(fig)
 
 
+def split_configs(configs: str) -> list[str]:
+    """ "a,b+alloc(x:1,y:2)" -> ["a", "b+alloc(x:1,y:2)"]: an allocator setting keeps its own commas."""
+    return re.split(r",(?![^()]*\))", configs)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setup_arguments(p)
@@ -430,7 +436,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.command = shlex.join([sys.executable, "tools/bench_memory.py", *(sys.argv[1:] if argv is None else argv)])
-    for name in args.configs.split(","):
+    for name in split_configs(args.configs):
         try:
             LeverSet.read(name)
         except ValueError as e:
@@ -510,7 +516,7 @@ def main(argv=None) -> list[dict]:
         (seq, shape, name)
         for seq in args.seq_tokens
         for shape in args.workloads.split(",")
-        for name in (LeverSet.read(n).name for n in args.configs.split(","))
+        for name in (LeverSet.read(n).name for n in split_configs(args.configs))
     ]
     for seq, shape, name in runs:
         results.append(run_one(args, name, seq, shape))
