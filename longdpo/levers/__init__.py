@@ -40,7 +40,7 @@ from longdpo.recipe_values import RecipeError, trainer_default
 
 SECTIONS = ("memory", "data", "parallelism", "trainer")  # where lever keys live; `trainer`: a field of TRL's DPOConfig
 # TRL's DPOTrainer as a user gets it: transformers' layer checkpoint and TRL's padding mask, none of our levers
-STOCK, STOCK_MEANS = "stock", "layer+mask"
+STOCK, STOCK_MEANS = "stock", "layer+mask+hostalloc"  # TRL's defaults: its checkpoint and mask, torch's pinning
 
 
 @dataclass(frozen=True)
@@ -295,8 +295,8 @@ class LeverSet:
     # ---- names ----------------------------------------------------------------------------------------------------
     def spelled(self, priced: bool = False) -> str:
         tokens = [t for lever in levers() for t in (lever.spell(self, priced) or "").split("+") if t]
-        if tokens[:1] == ["layer"] and "mask" in tokens:
-            tokens = [STOCK, *(t for t in tokens[1:] if t != "mask")]
+        if tokens[:1] == ["layer"] and "mask" in tokens and "hostalloc" in tokens:
+            tokens = [STOCK, *(t for t in tokens[1:] if t not in ("mask", "hostalloc"))]
         return "+".join(tokens)
 
     @property

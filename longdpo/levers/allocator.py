@@ -48,6 +48,12 @@ def _bool(v: str) -> bool:
     return v in ("True", "False", "true", "false")
 
 
+def _threads(v) -> int:
+    """torch's pinned_num_register_threads (a power of two up to 128) as an int, or 0 when v is not one."""
+    n = int(v) if isinstance(v, int) or (isinstance(v, str) and v.isdigit()) else 0
+    return n if not isinstance(v, bool) and 0 < n <= 128 and n & (n - 1) == 0 else 0
+
+
 def _pow2_divisions(v: str) -> bool:
     if v.startswith("[") and v.endswith("]"):  # per-size form: [256:1,512:2,>:4]
         return all(":" in part for part in v[1:-1].split(","))
@@ -62,7 +68,7 @@ KEYS = {
     "roundup_power2_divisions": (_pow2_divisions, "a power of two, or [size:div,...,>:div]"),
     "release_lock_on_cudamalloc": (_bool, "True or False"),
     "pinned_use_cuda_host_register": (_bool, "True or False"),
-    "pinned_num_register_threads": (_positive_int, "a positive integer"),
+    "pinned_num_register_threads": (lambda v: _threads(v) > 0, "a power of two up to 128"),
     "pinned_use_background_threads": (_bool, "True or False"),
     "backend": (lambda v: v in ("native", "cudaMallocAsync"), "native or cudaMallocAsync"),
 }
@@ -115,6 +121,27 @@ def resolve(recipe_conf: str | None, environ=os.environ) -> tuple[str | None, st
     return None, "default"
 
 
+# torch pins host memory with cudaHostAlloc by default: ~1-2 GB/s, so a step whose pair is the first of a larger size
+# class (pinned blocks are cached per power-of-two class) stalls while its offloaded activations are pinned. Measured
+# on a 32k mix: the largest pair's step took 41 s against 11 s for the next largest; 42 blocks of 620 MB took 24.8 s
+# on an H200 against 5.8 s when torch allocates them pageable and registers them with 8 threads
+# (tools/pinned_host_probe.py). Copies run at the same speed either way. The user's own `pinned_` keys win;
+# `memory.host_pinning_threads: 0` keeps torch's way.
+PINNING_THREADS = 8
+
+
+def host_pinning(threads: int) -> str:
+    return f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+
+
+def with_host_pinning(conf: str | None, threads: int = PINNING_THREADS) -> tuple[str | None, str | None]:
+    """(the setting to hand torch, the host-pinning keys added to it, or None when none are)."""
+    if not threads or (conf and any(key.startswith("pinned_") for key in parse(conf))):
+        return conf, None
+    added = host_pinning(threads)
+    return (f"{conf},{added}" if conf else added), added
+
+
 _TOO_LATE = (
     "CUDA was initialised before `memory.allocator_conf` ({conf}) could be applied, and {why}; launch "
     "through launch/train_dpo.py (it applies the setting before importing torch) or export "
@@ -122,28 +149,32 @@ _TOO_LATE = (
 )
 
 
-def apply(recipe_conf: str | None, environ=os.environ) -> dict:
+def apply(recipe_conf: str | None, environ=os.environ, pinning_threads: int = PINNING_THREADS) -> dict:
     """Make the effective setting reach the allocator. Returns a record for the logs.
 
-    path 'environment': set before CUDA initialises (the allocator reads it at start);
+    path 'environment': set before CUDA initialises (the allocator reads it at start), host pinning added;
     path 'runtime':     CUDA already initialised, applied via torch.cuda.memory._set_allocator_settings."""
     conf, source = resolve(recipe_conf, environ)
     record = {
         "allocator_conf": conf,
         "source": source,
         "path": None,
+        "host_pinning": None,
         "torch_imported_before": "torch" in sys.modules,
         "cuda_initialized_before": False,
     }
-    if conf is None:
-        return record
     torch = sys.modules.get("torch")
     cuda_up = bool(torch is not None and torch.cuda.is_initialized())
     record["cuda_initialized_before"] = cuda_up
     if not cuda_up:
+        handed, record["host_pinning"] = with_host_pinning(conf, pinning_threads)
+        if handed is None:
+            return record
         for var in ENV_VARS:
-            environ[var] = conf
+            environ[var] = handed
         record["path"] = "environment"
+        return record
+    if conf is None:
         return record
     # Measured on an H200 (torch 2.11): after CUDA init neither the variable nor this runtime call changes
     # max_split_size (memory_stats reads -1), so the call is made and then read back; a mismatch is an error.
@@ -193,9 +224,11 @@ def verify(conf: str | None) -> dict:
 
 
 def apply_from_recipe(raw_recipe: dict) -> dict:
-    """The recipe's setting (`memory.allocator_conf`, read from the plain YAML before torch is imported) applied."""
-    memory = raw_recipe.get("memory") or {}
-    return apply(memory.get("allocator_conf") if isinstance(memory, dict) else None)
+    """The recipe's setting (`memory.allocator_conf`, `memory.host_pinning_threads`, read from the plain YAML before
+    torch is imported) applied. A bad value is applied as nothing here; the recipe's check refuses it next."""
+    memory = raw_recipe.get("memory") if isinstance(raw_recipe.get("memory"), dict) else {}
+    threads = memory.get("host_pinning_threads", PINNING_THREADS)
+    return apply(memory.get("allocator_conf"), pinning_threads=_threads(threads))
 
 
 def _mode(setup) -> str:
@@ -216,7 +249,7 @@ NAMED = {"alloc64": "max_split_size_mb:64", "expandable": "expandable_segments:T
 class Allocator(Lever):
     name = "allocator"
     order = 100
-    tokens = (*NAMED, "alloc(<setting>)")
+    tokens = (*NAMED, "alloc(<setting>)", "hostalloc")
     keys = (
         Key(
             "allocator_conf",
@@ -225,11 +258,24 @@ class Allocator(Lever):
             'PYTORCH_CUDA_ALLOC_CONF for this run, e.g. "max_split_size_mb:64". Applied before CUDA initialises; '
             "overrides the environment's value (the log says which won).",
         ),
+        Key(
+            "host_pinning_threads",
+            "int",
+            PINNING_THREADS,
+            "Threads that pin host memory (activation offloading's copies): torch allocates it pageable and "
+            "registers it with this many threads, ~4x faster than its default; 0 keeps torch's default "
+            "(`hostalloc` in a benchmark name). Pinning keys of your own in allocator_conf win.",
+        ),
     )
 
     def check(self, s, ctx):
         if s.allocator_conf:
             parse(s.allocator_conf)
+        if s.host_pinning_threads != 0 and not _threads(s.host_pinning_threads):
+            raise RecipeError(
+                f"`memory.host_pinning_threads` must be 0 (torch's own pinning) or a power of two up to 128, got "
+                f"{s.host_pinning_threads!r}; 8 is the default."
+            )
 
     def configure(self, s, build):
         """`build.state["allocator"]`: what `apply_from_recipe` did, before torch was imported. Each step's telemetry
@@ -246,6 +292,8 @@ class Allocator(Lever):
                     how = record["path"] or "nothing to apply"
                     conf = record["allocator_conf"] or "torch default"
                     logger.info("allocator: %s (source: %s, applied via %s)", conf, record["source"], how)
+                    if record.get("host_pinning"):
+                        logger.info("pinned host memory: registered by threads (%s)", record["host_pinning"])
                 record.update(verify(record["allocator_conf"]))
                 if main and record.get("verified") is not None:
                     logger.info(
@@ -328,12 +376,15 @@ class Allocator(Lever):
             )
 
     def spell(self, s, priced=False):
-        if not s.allocator_conf or priced:
+        if priced:
             return None
         named = {conf: name for name, conf in NAMED.items()}
-        return named.get(s.allocator_conf, f"alloc({s.allocator_conf})")
+        conf = named.get(s.allocator_conf, f"alloc({s.allocator_conf})") if s.allocator_conf else ""
+        return "+".join(filter(None, [conf, "hostalloc" if s.host_pinning_threads == 0 else ""])) or None
 
     def read(self, token):
+        if token == "hostalloc":
+            return {"host_pinning_threads": 0}
         if token in NAMED:
             return {"allocator_conf": NAMED[token]}
         if token.startswith("alloc(") and token.endswith(")"):

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, run_train
 
 from longdpo.config import RecipeError
-from longdpo.levers import allocator
+from longdpo.levers import LeverSet, allocator
 
 
 @pytest.mark.parametrize(
@@ -56,8 +56,43 @@ def test_precedence_recipe_over_environment():
 def test_apply_sets_both_variables_and_overrides_the_user():
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     record = allocator.apply("max_split_size_mb:64", env)
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == env["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:64"
+    handed = "max_split_size_mb:64,pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == env["PYTORCH_ALLOC_CONF"] == handed
     assert record["source"] == "recipe" and record["path"] == "environment"
+    assert record["allocator_conf"] == "max_split_size_mb:64"  # what the run is named and planned by
+
+
+def test_host_memory_is_pinned_by_threads_unless_the_setting_names_its_own_pinning_or_asks_for_torchs():
+    env = {}
+    record = allocator.apply(None, env)
+    assert env["PYTORCH_ALLOC_CONF"] == allocator.host_pinning(8) == record["host_pinning"]
+    assert record["allocator_conf"] is None and record["source"] == "default" and record["path"] == "environment"
+    assert allocator.parse(record["host_pinning"]) == {
+        "pinned_use_cuda_host_register": "True",
+        "pinned_num_register_threads": "8",
+    }
+    own = "expandable_segments:True,pinned_use_cuda_host_register:False"
+    env = {"PYTORCH_CUDA_ALLOC_CONF": own}
+    record = allocator.apply(None, env)
+    assert env["PYTORCH_ALLOC_CONF"] == env["PYTORCH_CUDA_ALLOC_CONF"] == own and record["host_pinning"] is None
+    env = {}
+    record = allocator.apply(None, env, pinning_threads=0)  # `memory.host_pinning_threads: 0`
+    assert env == {} and record["path"] is None and record["host_pinning"] is None
+    record = allocator.apply_from_recipe({"memory": {"host_pinning_threads": 16}})
+    assert record["host_pinning"] == allocator.host_pinning(16)
+
+
+@pytest.mark.parametrize("threads", [3, 256, -8, True])
+def test_pinning_threads_torch_would_refuse_are_one_line(threads):
+    s = LeverSet(host_pinning_threads=threads)
+    with pytest.raises(RecipeError, match="host_pinning_threads` must be 0 .* or a power of two up to 128"):
+        allocator.LEVER.check(s, None)
+
+
+def test_the_library_only_setup_pins_as_torch_does():
+    assert LeverSet.read("stock+liger+offload").host_pinning_threads == 0
+    assert LeverSet.read("layer+liger+offload").host_pinning_threads == 8
+    assert LeverSet.read("layer+liger+offload+hostalloc").name == "layer+liger+offload+hostalloc"
 
 
 def test_entrypoint_applies_it_before_torch_is_imported():
@@ -76,7 +111,8 @@ def test_entrypoint_applies_it_before_torch_is_imported():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     assert rec["torch_imported_before"] is False and rec["cuda_initialized_before"] is False
-    assert rec["path"] == "environment" and rec["env"] == rec["env2"] == "max_split_size_mb:64"
+    assert rec["path"] == "environment"
+    assert rec["env"] == rec["env2"] == f"max_split_size_mb:64,{allocator.host_pinning(8)}"
 
 
 def test_runtime_path_when_cuda_is_already_initialised():
@@ -84,7 +120,7 @@ def test_runtime_path_when_cuda_is_already_initialised():
     made, and a read-back that disagrees (what an H200 showed: results/gpu_2026-12-02_first) is a loud error."""
     code = """
 import json, torch, sys
-from longdpo.levers import allocator
+from longdpo.levers import LeverSet, allocator
 from longdpo.config import RecipeError
 calls = []
 torch.cuda.is_initialized = lambda: True
