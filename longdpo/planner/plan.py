@@ -272,7 +272,8 @@ def predict(
                 "on pairs of many lengths the CUDA allocator's cache grows to this GPU's memory: it will free its "
                 "cache and retry (slower; the proposals below say what avoids it)"
             )
-        reserved = min(grown, max(reserved, limit))
+        # capped a hair under the limit: the rounded figure must not read as over a GPU of 85.0177 GB
+        reserved = min(grown, max(reserved, limit - 0.005 * GB))
     host = terms.host_bytes
     if s.zero3 and not a:  # optimizer state; policy parameters; the reference's (offloaded with the same config)
         host += (12.0 * s.offload_optimizer + 2.0 * s.offload_param * (1 if s.precompute_ref else 2)) * p / r
