@@ -562,3 +562,12 @@ def test_gpu_suite_parts_cover_it_once_and_keep_compared_runs_together():
     for a, b in [*suite.EXACT.items(), *suite.SAME_GRADIENTS.items()]:
         assert any(a in p and b in p for p in parts), (a, b)
     assert max(map(len, parts)) - min(map(len, parts)) <= 2
+
+
+def test_an_allocator_setting_keeps_its_own_commas_in_a_list_of_configurations():
+    from tools.bench_memory import parse_args, split_configs
+
+    pinned = "layer+offload+alloc(expandable_segments:True,pinned_num_register_threads:16)"
+    assert split_configs(f"stock+liger+offload,{pinned},layer") == ["stock+liger+offload", pinned, "layer"]
+    args = parse_args(["--configs", f"{pinned},stock", "--out", "/tmp/unused"])  # each one a lever set it reads
+    assert split_configs(args.configs)[0] == pinned
