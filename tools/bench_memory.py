@@ -191,6 +191,9 @@ def run_one(args, name: str, seq: int, shape: str = "equal") -> dict:
         "command": shlex.join(cmd),
         "oom": "OutOfMemoryError" in log or "CUDA out of memory" in log,
     }
+    errors = [line[len("error:") :].strip() for line in log.splitlines() if line.startswith("error:")]
+    if proc.returncode == 2 and errors:  # refused before any model was loaded: say why in the table
+        result["refused"] = errors[0]
     jsonl = os.path.join(out_dir, "memory.jsonl")
     if os.path.exists(jsonl):
         records = [json.loads(line) for line in open(jsonl)]
@@ -296,7 +299,14 @@ def render_table(results: list[dict]) -> str:
     for r in results:
         head = f"| {r['seq_tokens']} | {r.get('workload', 'equal')} | {r['config']} |"
         if r["rc"] != 0 and r.get("peak_allocated_gb") is None:
-            status = "OOM" if r["oom"] else "timed out" if r["rc"] == 124 else f"failed (rc {r['rc']})"
+            if r["oom"]:
+                status = "OOM"
+            elif r["rc"] == 124:
+                status = "timed out"
+            elif r.get("refused"):
+                status = "refused: " + r["refused"].replace("|", "\\|")
+            else:
+                status = f"failed (rc {r['rc']})"
             if reached := r.get("reached"):
                 n = reached["steps"]
                 status += (
