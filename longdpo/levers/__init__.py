@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from longdpo.recipe_values import RecipeError, trainer_default
 
 SECTIONS = ("memory", "data", "parallelism", "trainer")  # where lever keys live; `trainer`: a field of TRL's DPOConfig
-# TRL's DPOTrainer as a user gets it: transformers' layer checkpoint and TRL's padding mask, none of our levers
-STOCK, STOCK_MEANS = "stock", "layer+mask+hostalloc"  # TRL's defaults: its checkpoint and mask, torch's pinning
+# TRL's DPOTrainer as a user gets it: transformers' layer checkpoint, TRL's padding mask and torch's own pinning of
+# host memory; none of our levers
+STOCK, STOCK_MEANS = "stock", "layer+mask+hostalloc"
 
 
 @dataclass(frozen=True)
