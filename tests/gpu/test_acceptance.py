@@ -35,7 +35,7 @@ import torch
 
 from longdpo.cluster.distributed import run_job
 from longdpo.data.synthetic import workload
-from longdpo.levers import LeverSet
+from longdpo.levers import LeverSet, allocator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -148,6 +148,8 @@ RUNS = {
     "tiled_mlp": lever(**{"memory.tiled_mlp": "4"}),
     "offload": lever(activation_offloading="true"),
     "offload_pageable": lever(activation_offloading="true", **{"memory.offload_pin_memory": "false"}),
+    # pinned by torch's cudaHostAlloc instead of registered by threads (the default): the same copies either way
+    "offload/torch_pinning": lever(activation_offloading="true", **{"memory.host_pinning_threads": "0"}),
     # the last of two layers' activations kept on the GPU, against both offloaded (pageable host memory: the
     # host-peak check reads its copies being freed in the backward)
     "offload/2_layers": Run(
@@ -273,6 +275,7 @@ EXACT = {
             "layer+norm_attn_mlp",
             "offload",
             "offload_pageable",
+            "offload/torch_pinning",
             "alloc_max_split_64",
             "alloc_expandable",
             "empty_cache",
@@ -554,6 +557,15 @@ def test_planner_within_10_percent_of_measured_peak_reserved(runs, name):
 def test_allocator_setting_is_read_back_from_the_allocator(runs, name):
     allocator = runs[name]["summary"]["allocator"]
     assert allocator["path"] == "environment" and allocator["verified"] is True, allocator
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_host_memory_is_pinned_as_the_run_asked(runs, name):
+    """Registered by `memory.host_pinning_threads` threads (8 unless the run says), or torch's own way for 0; the
+    setting reaches torch through every launch form."""
+    threads = int(RUNS[name].overrides.get("memory.host_pinning_threads", allocator.PINNING_THREADS))
+    record = runs[name]["summary"]["allocator"]
+    assert record["host_pinning"] == (allocator.host_pinning(threads) if threads else None), record
 
 
 @pytest.mark.parametrize("name", [n for n, r in RUNS.items() if r.offloads])
