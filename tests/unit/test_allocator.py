@@ -120,7 +120,7 @@ def test_runtime_path_when_cuda_is_already_initialised():
     made, and a read-back that disagrees (what an H200 showed: results/gpu_2026-12-02_first) is a loud error."""
     code = """
 import json, torch, sys
-from longdpo.levers import LeverSet, allocator
+from longdpo.levers import allocator
 from longdpo.config import RecipeError
 calls = []
 torch.cuda.is_initialized = lambda: True
