@@ -42,7 +42,7 @@ from gpu_results import add_setup_arguments  # noqa: E402
 
 from longdpo.cluster.distributed import run_job  # noqa: E402
 from longdpo.data.synthetic import WORKLOADS, workload  # noqa: E402
-from longdpo.levers import LeverSet  # noqa: E402
+from longdpo.levers import STOCK, LeverSet  # noqa: E402
 from longdpo.planner.cli import positive_ints  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -326,6 +326,47 @@ def render_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def timed_steps(row: dict) -> dict[int, float]:
+    """A row's step times by step number: step 1 warms up, and a profiled (last) step is not timed."""
+    steps = row["steps"][1 : -1 if row.get("profile") else None]
+    return {s["step"]: s["step_time_s"] for s in steps if s.get("step_time_s") is not None}
+
+
+def by_pair_size(results: list[dict]) -> str:
+    """On a mix, where the speed goes by pair size: each length's timed steps in thirds by the tokens of their pair
+    (the same pairs in the same order in every row), each row's mean step in each third and its speed against the
+    library-only setup's row (the first `stock` row of that length), so a mix's ratio shows which pairs hold it."""
+    tables = []
+    for seq in sorted({r["seq_tokens"] for r in results}):
+        rows = [r for r in results if r["seq_tokens"] == seq and r.get("workload") == "mixed" and r.get("steps")]
+        if not rows:
+            continue
+        tokens = {s["step"]: s["tokens"] for s in rows[0]["steps"] if s.get("tokens")}
+        order = sorted((n for n in timed_steps(rows[0]) if n in tokens), key=lambda n: tokens[n])
+        thirds = [order[i * len(order) // 3 : (i + 1) * len(order) // 3] for i in range(3)]
+        if not all(thirds):
+            continue
+        base = next((r for r in rows if r["config"].split("+")[0] == STOCK), None)
+
+        def mean(row, part):
+            times = timed_steps(row)
+            return sum(times[n] for n in part) / len(part) if set(part) <= set(times) else None
+
+        head = " | ".join(
+            f"{min(tokens[n] for n in t):,}-{max(tokens[n] for n in t):,} tokens ({len(t)} steps)" for t in thirds
+        )
+        lines = [f"| {seq} mixed: mean step by pair size | {head} |", "|---|---|---|---|"]
+        for r in rows:
+            cells = []
+            for part in thirds:
+                m, b = mean(r, part), base and mean(base, part)
+                ratio = f" ({b / m:.2f}x)" if m and b and r is not base else ""
+                cells.append("n/a" if m is None else f"{m:.2f} s{ratio}")
+            lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines) + "\n")
+    return "\n".join(tables)
+
+
 # The curves of the merged chart: label -> configurations, the first one measured at a length taking that point
 # (the shipped recipes use 3 MLP chunks at 12k and 8 beyond).
 SUMMARY_CURVES = {
@@ -462,11 +503,13 @@ def parse_args(argv=None):
 
 def write_outputs(out: str, environment: dict, results: list[dict], curves: dict | None = None) -> None:
     """results.json, results.md and the chart; a benchmark rewrites them after every run, so one stopped half-way
-    keeps what it measured."""
+    keeps what it measured. A mix's steps by pair size compare rows of one invocation only (not a merge's)."""
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"environment": environment, "results": results}, f, indent=1)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(render_table(results))
+        if "merged_from" not in environment and (sizes := by_pair_size(results)):
+            f.write("\n" + sizes)
     plot(results, os.path.join(out, "memory_vs_length.png"), curves)
 
 

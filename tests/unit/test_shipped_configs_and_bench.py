@@ -191,6 +191,32 @@ def test_bench_summary_and_table():
     assert "| 32768 | equal | lib | refused: Predicted 85.0 GB \\| of 80.0 |" in table  # the planner's reason
 
 
+def test_a_mix_is_timed_by_pair_size_against_the_library_only_row(tmp_path):
+    """The same pairs in the same order in every row: steps in thirds by their pair's tokens (step 1 and a profiled
+    last step untimed), each row's mean step per third and its speed against the first `stock` row."""
+    from tools.bench_memory import by_pair_size, summarise, write_outputs
+
+    def row(config, times, **extra):
+        tokens = [100, 10, 20, 30, 40, 50, 60, 70][: len(times)]
+        records = [{"step": i + 1, "tokens": t, "step_time_s": s} for i, (t, s) in enumerate(zip(tokens, times))]
+        return {"config": config, "seq_tokens": 32768, "workload": "mixed", "rc": 0, **summarise(records), **extra}
+
+    lib = row("stock+liger+offload", [9, 2, 4, 6, 8, 10, 12])
+    ours = row("layer+offload", [9, 1, 2, 2, 2, 2, 3, 99], profile={"step": 8})  # step 8 profiled: not timed
+    refused = {"config": "stock", "seq_tokens": 32768, "workload": "mixed", "rc": 2, "refused": "too large"}
+    table = by_pair_size([ours, refused, lib, {**lib, "workload": "equal", "seq_tokens": 4096}])
+    assert table.splitlines() == [
+        "| 32768 mixed: mean step by pair size | 10-20 tokens (2 steps) | 30-40 tokens (2 steps) "
+        "| 50-60 tokens (2 steps) |",
+        "|---|---|---|---|",
+        "| layer+offload | 1.50 s (2.00x) | 2.00 s (3.50x) | 2.50 s (4.40x) |",
+        "| stock+liger+offload | 3.00 s | 7.00 s | 11.00 s |",
+    ]
+    assert by_pair_size([ours]).count("x)") == 0  # no library-only row: no ratio
+    write_outputs(str(tmp_path), {}, [lib, ours])
+    assert "| layer+offload | 1.50 s (2.00x) |" in (tmp_path / "results.md").read_text()
+
+
 def test_reserved_memory_that_follows_a_larger_pair_is_not_creep():
     """On a mix, the largest pair may come late: reserved memory that rises with the allocation is the pair's; what
     the allocator holds beyond the largest allocation so far is what creeps."""
