@@ -105,6 +105,7 @@ STEP_FIELDS = (
     "peak_reserved_gb",
     "step_time_s",
     "model_tflops",
+    "mfu",
     "host_pinned_gb",
 )
 
@@ -326,16 +327,17 @@ def render_table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def timed_steps(row: dict) -> dict[int, float]:
-    """A row's step times by step number: step 1 warms up, and a profiled (last) step is not timed."""
+def timed_steps(row: dict) -> dict[int, dict]:
+    """A row's timed steps by step number: step 1 warms up, and a profiled (last) step is not timed."""
     steps = row["steps"][1 : -1 if row.get("profile") else None]
-    return {s["step"]: s["step_time_s"] for s in steps if s.get("step_time_s") is not None}
+    return {s["step"]: s for s in steps if s.get("step_time_s") is not None}
 
 
 def by_pair_size(results: list[dict]) -> str:
     """On a mix, where the speed goes by pair size: each length's timed steps in thirds by the tokens of their pair
-    (the same pairs in the same order in every row), each row's mean step in each third and its speed against the
-    library-only setup's row (the first `stock` row of that length), so a mix's ratio shows which pairs hold it."""
+    (the same pairs in the same order in every row), each row's mean step in each third, its MFU there (model FLOPs
+    over time, so the FLOP-weighted mean of the steps') and its speed against the library-only setup's row (the
+    first `stock` row of that length), so a mix's ratio shows which pairs hold it."""
     tables = []
     for seq in sorted({r["seq_tokens"] for r in results}):
         rows = [r for r in results if r["seq_tokens"] == seq and r.get("workload") == "mixed" and r.get("steps")]
@@ -348,9 +350,14 @@ def by_pair_size(results: list[dict]) -> str:
             continue
         base = next((r for r in rows if r["config"].split("+")[0] == STOCK), None)
 
-        def mean(row, part):
-            times = timed_steps(row)
-            return sum(times[n] for n in part) / len(part) if set(part) <= set(times) else None
+        def third(row, part) -> tuple[float, float | None] | None:
+            steps = timed_steps(row)
+            if not set(part) <= set(steps):
+                return None
+            time = sum(steps[n]["step_time_s"] for n in part)
+            mfus = [steps[n].get("mfu") for n in part]
+            util = sum(m * steps[n]["step_time_s"] for m, n in zip(mfus, part)) / time if None not in mfus else None
+            return time / len(part), util
 
         head = " | ".join(
             f"{min(tokens[n] for n in t):,}-{max(tokens[n] for n in t):,} tokens ({len(t)} steps)" for t in thirds
@@ -359,9 +366,13 @@ def by_pair_size(results: list[dict]) -> str:
         for r in rows:
             cells = []
             for part in thirds:
-                m, b = mean(r, part), base and mean(base, part)
-                ratio = f" ({b / m:.2f}x)" if m and b and r is not base else ""
-                cells.append("n/a" if m is None else f"{m:.2f} s{ratio}")
+                got, ref = third(r, part), base and third(base, part)
+                if got is None:
+                    cells.append("n/a")
+                    continue
+                util = f", MFU {got[1]:.1%}" if got[1] is not None else ""
+                ratio = f" ({ref[0] / got[0]:.2f}x)" if ref and r is not base else ""
+                cells.append(f"{got[0]:.2f} s{util}{ratio}")
             lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
         tables.append("\n".join(lines) + "\n")
     return "\n".join(tables)

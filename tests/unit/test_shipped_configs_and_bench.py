@@ -193,15 +193,19 @@ def test_bench_summary_and_table():
 
 def test_a_mix_is_timed_by_pair_size_against_the_library_only_row(tmp_path):
     """The same pairs in the same order in every row: steps in thirds by their pair's tokens (step 1 and a profiled
-    last step untimed), each row's mean step per third and its speed against the first `stock` row."""
+    last step untimed), each row's mean step per third, its MFU there (FLOP-weighted: model FLOPs over time) and its
+    speed against the first `stock` row."""
     from tools.bench_memory import by_pair_size, summarise, write_outputs
 
-    def row(config, times, **extra):
-        tokens = [100, 10, 20, 30, 40, 50, 60, 70][: len(times)]
-        records = [{"step": i + 1, "tokens": t, "step_time_s": s} for i, (t, s) in enumerate(zip(tokens, times))]
+    def row(config, times, mfus=None, **extra):
+        tokens = [100, 10, 20, 30, 40, 50, 60, 70]
+        records = [
+            {"step": i + 1, "tokens": tokens[i], "step_time_s": t, **({"mfu": mfus[i]} if mfus else {})}
+            for i, t in enumerate(times)
+        ]
         return {"config": config, "seq_tokens": 32768, "workload": "mixed", "rc": 0, **summarise(records), **extra}
 
-    lib = row("stock+liger+offload", [9, 2, 4, 6, 8, 10, 12])
+    lib = row("stock+liger+offload", [9, 2, 4, 6, 8, 10, 12], mfus=[0.1, 0.2, 0.4, 0.3, 0.3, 0.5, 0.2])
     ours = row("layer+offload", [9, 1, 2, 2, 2, 2, 3, 99], profile={"step": 8})  # step 8 profiled: not timed
     refused = {"config": "stock", "seq_tokens": 32768, "workload": "mixed", "rc": 2, "refused": "too large"}
     table = by_pair_size([ours, refused, lib, {**lib, "workload": "equal", "seq_tokens": 4096}])
@@ -210,11 +214,14 @@ def test_a_mix_is_timed_by_pair_size_against_the_library_only_row(tmp_path):
         "| 50-60 tokens (2 steps) |",
         "|---|---|---|---|",
         "| layer+offload | 1.50 s (2.00x) | 2.00 s (3.50x) | 2.50 s (4.40x) |",
-        "| stock+liger+offload | 3.00 s | 7.00 s | 11.00 s |",
+        # (0.2 * 2 + 0.4 * 4) / 6, (0.3 * 6 + 0.3 * 8) / 14, (0.5 * 10 + 0.2 * 12) / 22
+        "| stock+liger+offload | 3.00 s, MFU 33.3% | 7.00 s, MFU 30.0% | 11.00 s, MFU 33.6% |",
     ]
     assert by_pair_size([ours]).count("x)") == 0  # no library-only row: no ratio
     write_outputs(str(tmp_path), {}, [lib, ours])
     assert "| layer+offload | 1.50 s (2.00x) |" in (tmp_path / "results.md").read_text()
+    write_outputs(str(tmp_path), {"merged_from": ["a", "b"]}, [lib, ours])  # rows of many invocations: no ratio
+    assert "by pair size" not in (tmp_path / "results.md").read_text()
 
 
 def test_reserved_memory_that_follows_a_larger_pair_is_not_creep():
@@ -249,6 +256,7 @@ def test_reserved_memory_that_follows_a_larger_pair_is_not_creep():
         "peak_reserved_gb": 58.0,
         "step_time_s": 1.0,
         "model_tflops": None,
+        "mfu": None,
         "host_pinned_gb": None,
     }
 
