@@ -48,16 +48,20 @@ def _bool(v: str) -> bool:
     return v in ("True", "False", "true", "false")
 
 
+def _power_of_two(v: str) -> bool:
+    return _positive_int(v) and (int(v) & (int(v) - 1)) == 0
+
+
 def _threads(v) -> int:
     """torch's pinned_num_register_threads (a power of two up to 128) as an int, or 0 when v is not one."""
-    n = int(v) if isinstance(v, int) or (isinstance(v, str) and v.isdigit()) else 0
-    return n if not isinstance(v, bool) and 0 < n <= 128 and n & (n - 1) == 0 else 0
+    text = str(v) if isinstance(v, (int, str)) and not isinstance(v, bool) else ""
+    return int(text) if _power_of_two(text) and int(text) <= 128 else 0
 
 
 def _pow2_divisions(v: str) -> bool:
     if v.startswith("[") and v.endswith("]"):  # per-size form: [256:1,512:2,>:4]
         return all(":" in part for part in v[1:-1].split(","))
-    return _positive_int(v) and (int(v) & (int(v) - 1)) == 0
+    return _power_of_two(v)
 
 
 # key -> (validator, what a valid value looks like)
