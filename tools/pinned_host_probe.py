@@ -15,11 +15,9 @@ import os
 import subprocess
 import sys
 
-CONFS = {
-    "default": "",
-    "host_register_8_threads": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
-    "host_register_16_threads": "pinned_use_cuda_host_register:True,pinned_num_register_threads:16",
-}
+from longdpo.levers.allocator import ENV_VARS, host_pinning
+
+CONFS = {"default": "", "host_register_8_threads": host_pinning(8), "host_register_16_threads": host_pinning(16)}
 
 CHILD = """
 import json, sys, time, torch
@@ -54,7 +52,7 @@ def main():
     args = p.parse_args()
     out = {"blocks": args.blocks, "mb": args.mb}
     for name, conf in CONFS.items():
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "PYTORCH_ALLOC_CONF": conf}
+        env = {**os.environ, **dict.fromkeys(ENV_VARS, conf)}
         cmd = [sys.executable, "-c", CHILD, str(args.blocks), str(args.mb * 10**6)]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         out[name] = {"conf": conf, **(json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-500:]})}
