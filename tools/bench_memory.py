@@ -363,10 +363,11 @@ def by_pair_size(results: list[dict]) -> str:
             f"{min(tokens[n] for n in t):,}-{max(tokens[n] for n in t):,} tokens ({len(t)} steps)" for t in thirds
         )
         lines = [f"| {seq} mixed: mean step by pair size | {head} |", "|---|---|---|---|"]
+        refs = [base and third(base, part) for part in thirds]
         for r in rows:
             cells = []
-            for part in thirds:
-                got, ref = third(r, part), base and third(base, part)
+            for part, ref in zip(thirds, refs):
+                got = third(r, part)
                 if got is None:
                     cells.append("n/a")
                     continue
