@@ -17,6 +17,8 @@ LEVERS = [
     "true",
     "--memory.mlp_chunks",
     "2",
+    "--memory.reuse_attention_plans",
+    "true",
 ]
 RUN = ["--max_steps", "3", "--save_strategy", "no", "--report_to", "none", "--per_device_train_batch_size", "2"]
 FAMILIES = {"llama3": "byte-llama3", "qwen2_5": "byte-chatml", "qwen3": "byte-chatml", "mistral": "byte-mistral"}
@@ -65,6 +67,7 @@ def test_each_family_trains_with_every_lever_on_its_chat_template(tmp_path, name
     assert abs(s["losses"][0] - math.log(2)) < 1e-4 and s["losses"][-1] < s["losses"][0]
     assert s["wrapped"]["lean_norm"] == (4 if name == "qwen3" else 2) * 2 + 1  # Qwen3's q_norm / k_norm too
     assert s["wrapped"]["chunked_mlp"] == 2 and s["wrapped"]["attn"] == 2
+    assert s["attention_plans_per_length_class"] is True  # set in the run's process before its first attention call
     template = (
         json.load(open(tmp_path / "out" / "tokenizer_config.json")).get("chat_template")
         or open(tmp_path / "out" / "chat_template.jinja").read()
