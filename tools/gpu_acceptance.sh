@@ -13,6 +13,11 @@ cd "$(dirname "$0")/.."
 LOG=${1:-results/gpu_acceptance/latest.log}
 mkdir -p "$(dirname "$LOG")"
 python3 -c "import trl, deepspeed, longdpo" 2>/dev/null || source tools/offline_env.sh
+# the shipped recipes run Liger's kernels: without the package half the runs would refuse to start, minutes in
+if ! python3 -c "import liger_kernel" 2>/dev/null; then
+    echo "error: liger-kernel is not installed: pip install -r requirements-gpu.txt (offline: put its wheel in .whl)" >&2
+    exit 1
+fi
 {
     echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
     echo "commit: ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"

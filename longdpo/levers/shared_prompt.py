@@ -162,7 +162,7 @@ class _Kernel:
         o, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=self.scale
         )
-        self.saved[causal] = (cq, ck, mq, mk, seed, offset, lse.shape)
+        self.saved[causal] = (cq, ck, mq, mk, seed, offset, lse.shape, lse.stride())
         return _accumulating(o), lse.reshape(o.shape[:3])
 
     def backward(self, grad, q, k, v, out, lse, causal):
@@ -170,14 +170,18 @@ class _Kernel:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad, q, k, v, out, lse, 0.0, causal, scale=self.scale
             )
-        cq, ck, mq, mk, seed, offset, shape = self.saved[causal]
+        cq, ck, mq, mk, seed, offset, shape, stride = self.saved[causal]
+        # the merged log-sum-exp laid out as this block's forward wrote its own: per head by default, per token when
+        # torch keeps plans per length class (memory.reuse_attention_plans), whose cached backward plan serves every
+        # length of the class and must not meet a stride that depends on the length
+        lse = torch.empty_strided(shape, stride, dtype=lse.dtype, device=lse.device).copy_(lse.reshape(shape))
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad,
             q,
             k,
             v,
             out,
-            lse.reshape(shape).contiguous(),
+            lse,
             seed,
             offset,
             None,  # no bias (the Python binding passes None as an undefined tensor)

@@ -217,6 +217,16 @@ RUNS = {
     "long-prompt/dpo_12k/shared": Run(
         "dpo_12k.yaml", workload="long-prompt", seq=UNEQUAL, overrides={"data.shared_prompt": "true"}, compare=False
     ),
+    # a mix of pair shapes (a new length at every step), as shipped and with cuDNN's attention plans kept per length
+    # class (memory.reuse_attention_plans: the ragged path of torch's cuDNN attention)
+    "mixed/dpo_12k": Run("dpo_12k.yaml", workload="mixed", seq=UNEQUAL, compare=False),
+    "mixed/dpo_12k/plans": Run(
+        "dpo_12k.yaml",
+        workload="mixed",
+        seq=UNEQUAL,
+        overrides={"memory.reuse_attention_plans": "true"},
+        compare=False,
+    ),
     "unequal/dpo_lora_64k/python": Run(
         "dpo_lora_64k.yaml",
         launcher="python",
@@ -295,6 +305,7 @@ SAME_GRADIENTS = {
     "unequal": "unequal/keep_mask",
     "long-prompt/shared": "long-prompt/stock",
     "long-prompt/dpo_12k/shared": "long-prompt/dpo_12k",
+    "mixed/dpo_12k/plans": "mixed/dpo_12k",
 }
 
 
@@ -468,6 +479,49 @@ def test_lean_norm_matches_stock_on_gpu():
         outs.append((y.detach(), xi.grad, norm.weight.grad.clone()))
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=2e-2)
+
+
+PLANS_CHILD = """
+import json, torch
+from longdpo.levers.shared_prompt import PromptAndTail, lower_right_call
+torch.manual_seed(0)
+H, KV, D, scale, worst = 32, 8, 128, 128 ** -0.5, {}
+# lengths of one power-of-two class each, in a row: the plans built for the first serve the others
+for prompt, tail in ((1500, 300), (1800, 400), (2000, 500), (1600, 260)):
+    def bshd(n, heads):
+        return torch.randn(1, n, heads, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    q, k, v = bshd(tail, H), bshd(prompt + tail, KV), bshd(prompt + tail, KV)
+    grad = torch.randn(1, tail, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    got = {}
+    for name in ("two blocks", "one call"):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        kp, vp = leaves[1][:, :, :prompt], leaves[2][:, :, :prompt]
+        kt, vt = leaves[1][:, :, prompt:], leaves[2][:, :, prompt:]
+        if name == "two blocks":
+            out = PromptAndTail.apply(leaves[0], kt, vt, kp, vp, scale)
+        else:  # with a mask tensor: a plan per length, the reference
+            out = lower_right_call(leaves[0], kt, vt, kp, vp, H // KV, scale)
+        out.backward(grad)
+        got[name] = [out.detach().float()] + [t.grad.float() for t in leaves]
+    for field, a, b in zip(("out", "dq", "dk", "dv"), got["two blocks"], got["one call"]):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        worst[field] = max(worst.get(field, 0.0), err)
+print(json.dumps(worst))
+"""
+
+
+def test_shared_prompt_attention_with_plans_per_length_class():
+    """The rejected part's two cuDNN blocks under torch's plans per length class (memory.reuse_attention_plans): four
+    pairs whose prompts and tails fall in the same power-of-two classes, in a row in one process (the first builds
+    the plans, the others reuse them), against the one lower-right call with a mask (a plan per length): output and
+    gradients within bf16 rounding (2% of the largest value; a log-sum-exp read at another length's stride is off by
+    far more)."""
+    env = {**os.environ, "TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}
+    r = subprocess.run([sys.executable, "-c", PLANS_CHILD], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    worst = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"plans per length class, two blocks against one call, largest relative error: {worst}")
+    assert all(err < 2e-2 for err in worst.values()), worst
 
 
 def test_our_levers_wrap_ligers_kernels_on_gpu():

@@ -2,6 +2,7 @@
 
 import glob
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -608,3 +609,21 @@ def test_an_allocator_setting_keeps_its_own_commas_in_a_list_of_configurations()
     assert split_configs(f"stock+liger+offload,{pinned},layer") == ["stock+liger+offload", pinned, "layer"]
     args = parse_args(["--configs", f"{pinned},stock", "--out", "/tmp/unused"])  # each one a lever set it reads
     assert split_configs(args.configs)[0] == pinned
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="needs a Python without liger-kernel")
+def test_gpu_suite_without_liger_is_one_line_before_any_run(tmp_path):
+    """The shipped recipes run Liger's kernels: a machine without the package stops the suite at once, log unwritten."""
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    log = tmp_path / "acceptance.log"
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "tools", "gpu_acceptance.sh"), str(log)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 1 and not log.exists()
+    assert r.stderr.strip().splitlines() == [
+        "error: liger-kernel is not installed: pip install -r requirements-gpu.txt (offline: put its wheel in .whl)"
+    ]
