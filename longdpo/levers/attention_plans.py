@@ -8,10 +8,11 @@ torch keys the plans on the lengths rounded up to a power of two and passes the 
 (its `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`, read once per process at the first attention call; this lever sets it before
 the models run). It applies to attention calls without a mask tensor whose queries, keys, values and output are laid
 out (batch, sequence, heads, dim) in memory, as a model's projections make them: the calls of the shared prompt and of
-TRL's batch without its padding mask; a call with TRL's mask keeps a plan per length. The kernels and the numbers they
-compute are cuDNN's either way.
+TRL's batch without its padding mask; a call with TRL's mask keeps a plan per length. The kernels are cuDNN's either
+way; outputs and gradients agree to bf16 rounding (tools/sdpa_shape_probe.py).
 
-The planner prices it as nothing: it changes no activation the step holds.
+The planner prices it as nothing: it changes no activation the step holds. cuDNN sizes a plan's scratch memory for the
+class's length, up to twice the call's own; not yet measured in a training step.
 """
 
 from __future__ import annotations
