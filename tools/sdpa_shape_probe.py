@@ -21,6 +21,8 @@ import os
 import subprocess
 import sys
 
+from longdpo.levers.attention_plans import ENV_VAR
+
 CHILD = """
 import json, sys, time, torch
 import torch.nn.functional as F
@@ -63,19 +65,15 @@ def main():
     step = (args.max - args.min) // max(args.lengths - 1, 1)
     lengths = [args.min + i * step + (i * 37) % 61 for i in range(args.lengths)]  # odd lengths, as data makes them
     out = {"lengths": lengths}
-    for name, value in {"default": None, "avoid_recompile": "1"}.items():
-        env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"}
-        if value:
-            env["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] = value
+    for name, value in {"default": "0", "avoid_recompile": "1"}.items():  # torch reads "0" as off
+        env = {**os.environ, ENV_VAR: value}
         r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(lengths)], capture_output=True, text=True, env=env)
         res = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-1500:]}
         if r.returncode == 0:
-            res["warnings"] = [line for line in r.stderr.splitlines() if "AVOID_RECOMPILE" in line][:4]
-            for layout in res:
-                if isinstance(res[layout], dict):
-                    d = res[layout]
-                    d["new_length_total_s"] = round(sum(d["new_length_s"]), 3)
-                    d["cached_total_s"] = round(sum(d["cached_s"]), 3)
+            res["warnings"] = [line for line in r.stderr.splitlines() if ENV_VAR in line][:4]
+            for d in (res["bshd"], res["bhsd"]):
+                d["new_length_total_s"] = round(sum(d["new_length_s"]), 3)
+                d["cached_total_s"] = round(sum(d["cached_s"]), 3)
         out[name] = res
     for layout in ("bshd", "bhsd"):
         a, b = out["default"].get(layout), out["avoid_recompile"].get(layout)

@@ -52,10 +52,9 @@ class AttentionPlans(Lever):
             os.environ[ENV_VAR] = "1"
         elif reused() and build.is_main:
             logger.info("%s is set in the environment: attention plans are kept per length class", ENV_VAR)
-        build.state[self.name] = reused()
 
     def summary(self, s, build):
-        return {"attention_plans_per_length_class": build.state.get(self.name)}
+        return {"attention_plans_per_length_class": reused()}
 
     def price(self, s, setup, terms, cal):
         pass  # module docstring

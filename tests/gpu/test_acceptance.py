@@ -35,7 +35,7 @@ import torch
 
 from longdpo.cluster.distributed import run_job
 from longdpo.data.synthetic import workload
-from longdpo.levers import LeverSet, allocator
+from longdpo.levers import LeverSet, allocator, attention_plans
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -487,9 +487,9 @@ from longdpo.levers.shared_prompt import PromptAndTail, lower_right_call
 torch.manual_seed(0)
 H, KV, D, scale, worst = 32, 8, 128, 128 ** -0.5, {}
 # lengths of one power-of-two class each, in a row: the plans built for the first serve the others
+def bshd(n, heads):
+    return torch.randn(1, n, heads, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 for prompt, tail in ((1500, 300), (1800, 400), (2000, 500), (1600, 260)):
-    def bshd(n, heads):
-        return torch.randn(1, n, heads, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     q, k, v = bshd(tail, H), bshd(prompt + tail, KV), bshd(prompt + tail, KV)
     grad = torch.randn(1, tail, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     got = {}
@@ -516,7 +516,7 @@ def test_shared_prompt_attention_with_plans_per_length_class():
     the plans, the others reuse them), against the one lower-right call with a mask (a plan per length): output and
     gradients within bf16 rounding (2% of the largest value; a log-sum-exp read at another length's stride is off by
     far more)."""
-    env = {**os.environ, "TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"}
+    env = {**os.environ, attention_plans.ENV_VAR: "1"}
     r = subprocess.run([sys.executable, "-c", PLANS_CHILD], capture_output=True, text=True, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     worst = json.loads(r.stdout.strip().splitlines()[-1])
