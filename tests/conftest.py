@@ -33,6 +33,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def environment_put_back():
+    """Each test starts from the same environment: a test that runs the entrypoint in this process sets what a run
+    sets (the allocator's variables among them), which would change what the tests after it see."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(items):
     """Tests under tests/launch/ start the entrypoint under a launcher (tens of seconds each): marked `launcher`, so
     that `pytest -m "not launcher"` runs the rest in a few minutes."""

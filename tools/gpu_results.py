@@ -72,7 +72,7 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
     lever_set = LeverSet.read(row["config"])
     arch = load_architecture(ModelArgs(**{**recipe.model.__dict__, "num_hidden_layers": bench.layers}))
     seq = row["seq_tokens"]
-    facts = setup_facts(lever_set, recipe, seq, spec_pairs(synthetic_spec(row["command"]), seq), synthetic=True)
+    facts = setup_facts(lever_set, recipe, seq, met_pairs(synthetic_spec(row["command"]), seq, row), synthetic=True)
     return Setup(
         **model_shape(arch),
         seq=seq,
@@ -85,6 +85,20 @@ def setup_from_result(environment: dict, row: dict) -> Setup:
         lengths_vary=row.get("workload") == "mixed",
         **facts,
     )
+
+
+def met_pairs(spec: dict, seq: int, row: dict) -> list[tuple[int, int, int]]:
+    """The pairs of a row's `data.synthetic` that its run trained on. A run of a few steps on a mix meets some of the
+    dataset's pairs, perhaps not its costliest, and is held to the plan of those it met: read from its steps' token
+    counts (one pair a step: the prompt twice, chosen and rejected, cut to `seq` as TRL cuts them). Every pair of
+    the spec where a step matches none of them (a fixed shape, more pairs a step, no steps recorded)."""
+    pairs = spec_pairs(spec, seq)
+    steps = {step["tokens"] for step in row.get("steps", [])}
+    if "mix_seed" not in spec or not steps:
+        return pairs
+    real = {(p, c, r): 2 * p + min(c, seq - p) + min(r, seq - p) for p, c, r in pairs if p < seq}
+    met = [pair for pair, tokens in real.items() if tokens in steps]
+    return met if steps <= set(real.values()) else pairs
 
 
 def gpu_memory_gb(environment: dict, row: dict) -> float | None:

@@ -62,7 +62,9 @@ def test_apply_sets_both_variables_and_overrides_the_user():
     assert record["allocator_conf"] == "max_split_size_mb:64"  # what the run is named and planned by
 
 
-def test_host_memory_is_pinned_by_threads_unless_the_setting_names_its_own_pinning_or_asks_for_torchs():
+def test_host_memory_is_pinned_by_threads_unless_the_setting_names_its_own_pinning_or_asks_for_torchs(monkeypatch):
+    for var in allocator.ENV_VARS:  # a setting in the shell that runs the tests would be the user's own
+        monkeypatch.delenv(var, raising=False)
     env = {}
     record = allocator.apply(None, env)
     assert env["PYTORCH_ALLOC_CONF"] == allocator.host_pinning(8) == record["host_pinning"]

@@ -146,6 +146,22 @@ def test_every_committed_shared_prompt_row_is_predicted_within_10_percent():
     assert planned_shared >= 2
 
 
+def test_a_short_run_on_a_mix_is_held_to_the_plan_of_the_pairs_it_met():
+    """A run of a few steps meets some of a mix's pairs; its steps' token counts name them. A step that names no pair
+    (more pairs a step) leaves the whole mix planned."""
+    from gpu_results import met_pairs
+
+    from longdpo.data.synthetic import spec_pairs
+
+    spec, seq = {"pairs": 24, "seq_tokens": 4096, "mix_seed": 0}, 4096
+    pairs = spec_pairs(spec, seq)
+    real = [2 * p + min(c, seq - p) + min(r, seq - p) for p, c, r in pairs]
+    steps = [{"tokens": real[3]}, {"tokens": real[7]}]
+    assert set(met_pairs(spec, seq, {"steps": steps})) == {pairs[i] for i, t in enumerate(real) if t in real[3:8:4]}
+    assert met_pairs(spec, seq, {"steps": [*steps, {"tokens": real[3] + real[7]}]}) == pairs
+    assert met_pairs(spec, seq, {}) == pairs
+
+
 def test_every_committed_row_of_pairs_that_pad_is_predicted_within_10_percent():
     """Fitted on equal pairs; pairs whose answers differ in length (unequal, long-prompt, half-prompt), shared or as
     two rows, with the mask dropped or kept, must land as close."""
