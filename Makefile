@@ -22,10 +22,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two test files at a time, each in its own process (a file's launches share their fixtures; tests/conftest.py groups
-# them): a launch leaves a core idle while its ranks start and meet; two cores run the suite in about two thirds of the
-# time it takes in one process.
+# Two test files at a time, each in its own process (a file's launches share their fixtures): a launch leaves a core
+# idle while its ranks start and meet; two cores run the suite in about two thirds of the time it takes in one process.
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 .PHONY: install quickstart lint test

@@ -43,18 +43,12 @@ def environment_put_back():
     os.environ.update(saved)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Tests under tests/launch/ start the entrypoint under a launcher (tens of seconds each): marked `launcher`, so
-    that `pytest -m "not launcher"` runs the rest in a few minutes. For `make test`, which runs two groups at a time
-    (`pytest -n 2 --dist loadgroup`): a file is a group, so its tests share its fixtures, and the files that use the
-    session's 2-rank run (`ds2`) are one group, so that run is made once."""
-    with_ds2 = {item.path for item in items if "ds2" in getattr(item, "fixturenames", ())}
+    that `pytest -m "not launcher"` runs the rest in a few minutes."""
     for item in items:
         if f"{os.sep}launch{os.sep}" in str(item.fspath):
             item.add_marker(pytest.mark.launcher)
-        if config.pluginmanager.hasplugin("xdist"):
-            item.add_marker(pytest.mark.xdist_group("ds2" if item.path in with_ds2 else str(item.path)))
 
 
 def launch_command(
