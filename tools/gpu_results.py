@@ -16,6 +16,7 @@ from longdpo.checks import check_deepspeed_config
 from longdpo.config import ModelArgs, load_recipe, parse_cli
 from longdpo.data.synthetic import spec_pairs
 from longdpo.levers import LeverSet, setup_facts
+from longdpo.levers.shared_prompt import cut_to_max_length
 from longdpo.model.build import load_architecture
 from longdpo.planner.cli import positive_int
 from longdpo.planner.plan import Setup, model_shape, setup_from_recipe
@@ -96,7 +97,7 @@ def met_pairs(spec: dict, seq: int, row: dict) -> list[tuple[int, int, int]]:
     steps = {step["tokens"] for step in row.get("steps", [])}
     if "mix_seed" not in spec or not steps:
         return pairs
-    real = {(p, c, r): 2 * p + min(c, seq - p) + min(r, seq - p) for p, c, r in pairs if p < seq}
+    real = {pair: 2 * cut[0] + cut[1] + cut[2] for pair in pairs if (cut := cut_to_max_length(*pair, seq))}
     met = [pair for pair, tokens in real.items() if tokens in steps]
     return met if steps <= set(real.values()) else pairs
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from trl.data_utils import _tokenize, common_prefix_length, extract_prompt, is_conversational
 
 from longdpo.config import RecipeError
-from longdpo.levers.shared_prompt import row_tokens
+from longdpo.levers.shared_prompt import cut_to_max_length, row_tokens
 
 
 def _tokenized(tokenizer, row: dict, with_prompt: bool = True):
@@ -80,9 +80,9 @@ def length_report(tokenized, n_raw: int, max_length: int | None) -> dict:
     lengths, two_rows, shared = [], 0, 0
     for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"]):
         lengths.append(len(p) + max(len(c), len(r)))
-        p = min(len(p), max_length or len(p))  # as TRL's collator cuts the row
-        c, r = (min(len(x), max_length - p) if max_length else len(x) for x in (c, r))
-        two_rows, shared = two_rows + 2 * (p + max(c, r)), shared + row_tokens(p, c, r)
+        cut = cut_to_max_length(len(p), len(c), len(r), max_length)
+        if cut:  # TRL has dropped the pairs this leaves out
+            two_rows, shared = two_rows + 2 * (cut[0] + max(cut[1:])), shared + row_tokens(*cut)
     lengths.sort()
     if not lengths:
         raise RecipeError(
@@ -100,7 +100,7 @@ def length_report(tokenized, n_raw: int, max_length: int | None) -> dict:
         else 0.0,
         "dropped": n_raw - len(lengths),
         "max_length": max_length,
-        "shared_prompt_saves": round(1 - shared / two_rows, 4),
+        "shared_prompt_saves": round(1 - shared / two_rows, 4) if two_rows else 0.0,
     }
 
 

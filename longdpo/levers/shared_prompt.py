@@ -203,6 +203,16 @@ def _accumulating(o):
 AttentionInterface.register(NAME, shared_attention)
 
 
+def cut_to_max_length(prompt: int, chosen: int, rejected: int, max_length: int | None):
+    """A pair's (prompt, chosen, rejected) tokens as TRL's collator cuts them to `max_length` (keep_start): each
+    completion to what the prompt leaves; None where the prompt alone fills `max_length` (TRL drops the pair)."""
+    if not max_length:
+        return prompt, chosen, rejected
+    if prompt >= max_length:
+        return None
+    return prompt, min(chosen, max_length - prompt), min(rejected, max_length - prompt)
+
+
 def row_tokens(prompt: int, chosen: int, rejected: int) -> int:
     """The tokens of one pair's shared row: [prompt, chosen, x, rejected], x a copy of the prompt's last token."""
     return prompt + chosen + rejected + int(prompt > 0)
@@ -410,11 +420,8 @@ class SharedPrompt(Lever):
         TRL's two rows of a synthetic recipe, or with more pairs per batch (the plan keeps TRL's rows then)."""
         if not s.shared_prompt or not _one_pair_per_batch(recipe) and not synthetic:
             return {}
-        costliest = 0
-        for p, c, r in pairs:
-            if p >= seq:
-                continue  # TRL drops the pair
-            costliest = max(costliest, tokens_of_pair(p, min(c, seq - p), min(r, seq - p), s.shared_prompt_min_saving))
+        cut = [pair for pair in (cut_to_max_length(*pair, seq) for pair in pairs) if pair]
+        costliest = max((tokens_of_pair(*pair, s.shared_prompt_min_saving) for pair in cut), default=0)
         if synthetic and costliest >= 2 * seq:
             return {}
         return {"pair_tokens": costliest or None}

@@ -8,6 +8,7 @@ import pytest
 from longdpo.data.lengths import length_report
 from longdpo.data.loading import load_preferences
 from longdpo.data.synthetic import synthetic_pairs
+from longdpo.levers.shared_prompt import cut_to_max_length
 
 STANDARD = [{"prompt": f"q{i}", "chosen": f" good {i}", "rejected": f" bad {i}"} for i in range(6)]
 CONVERSATIONAL = [
@@ -61,6 +62,16 @@ def test_length_report_counts_truncated_and_dropped():
         # cut to 8: (3, 4, 2), (5, 1, 3), (2, 6, 1); two rows 2 x (7 + 8 + 8) = 46, shared 10 + 10 + 10 = 30
         "shared_prompt_saves": round(1 - 30 / 46, 4),
     }
+
+
+def test_a_pair_is_cut_as_trl_cuts_it_and_dropped_where_its_prompt_fills_max_length():
+    assert cut_to_max_length(5, 6, 1, 8) == (5, 3, 1)
+    assert cut_to_max_length(8, 1, 1, 8) is None and cut_to_max_length(9, 1, 1, 8) is None
+    assert cut_to_max_length(9, 1, 1, None) == (9, 1, 1)
+    # a prompt that fills max_length adds nothing to what sharing saves: its pair does not reach the model
+    kept = {"prompt_ids": [[1] * 3], "chosen_ids": [[1] * 4], "rejected_ids": [[1] * 2]}
+    both = {k: v + [[1] * (8 if k == "prompt_ids" else 1)] for k, v in kept.items()}
+    assert length_report(both, 2, 8)["shared_prompt_saves"] == length_report(kept, 1, 8)["shared_prompt_saves"]
 
 
 def test_synthetic_pairs_have_exact_token_lengths():
