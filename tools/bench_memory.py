@@ -97,7 +97,8 @@ def build_command(args, name: str, seq: int, out_dir: str, shape: str = "equal")
 
 
 # kept for every step of a run: a mix of pair shapes is read step by step (pinned host memory: torch's pinned cache
-# rounds blocks up to a power of two, so a pair larger than any before may pin new blocks, a cost of that step)
+# rounds blocks up to a power of two, so a pair larger than any before may pin new blocks, a cost of that step; with
+# the shared prompt, whether the step's pair ran as one row or as TRL's two)
 STEP_FIELDS = (
     "step",
     "tokens",
@@ -107,6 +108,7 @@ STEP_FIELDS = (
     "model_tflops",
     "mfu",
     "host_pinned_gb",
+    "shared_pairs",
 )
 
 

@@ -10,7 +10,8 @@ runs them so (the shared prompt), whose rejected tokens see the prompt and thems
 rank does 1/K of it.
 
 MFU is a step's model FLOPs over its time and the card's dense bf16 peak (`PEAK_BF16_TFLOPS`, the vendor's figure;
-a card not listed has no MFU). Telemetry records both per step (`model_tflops`, `mfu`).
+a card not listed has no MFU). Telemetry records both per step (`model_tflops`, `mfu`), and where a lever may run a
+batch as one row per pair, how many of the step's pairs ran so (`pairs`, `shared_pairs`; a rank's own).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class StepFlops:
         self.matmul_params = matmul_params
         self.passes = (2 if lora else 3) + (1 if with_reference else 0)  # policy forward + backward, reference
         self.shards, self.one_row = shards, one_row
-        self.flops = 0.0
+        self.flops, self.pairs, self.shared_pairs = 0.0, 0, 0
 
     def add(self, inputs: dict) -> None:
         pairs, width = batch_pairs(inputs)
@@ -75,10 +76,14 @@ class StepFlops:
             pair_forward_flops(p, c, r, one_row, self.matmul_params, self.layers, self.attn_width) for p, c, r in pairs
         )
         self.flops += self.passes * forward / self.shards
+        self.pairs, self.shared_pairs = self.pairs + len(pairs), self.shared_pairs + len(pairs) * one_row
 
     def take(self) -> dict:
-        flops, self.flops = self.flops, 0.0
-        return {"model_tflops": round(flops / 1e12, 4)}
+        step = {"model_tflops": round(self.flops / 1e12, 4)}
+        if self.one_row:  # whether the prompt was computed once is a step's own choice: say which steps it made
+            step.update(pairs=self.pairs, shared_pairs=self.shared_pairs)
+        self.flops, self.pairs, self.shared_pairs = 0.0, 0, 0
+        return step
 
 
 def mfu(model_tflops: float | None, step_time_s: float) -> float | None:

@@ -1,6 +1,7 @@
 """LoRA DPO (`model.use_peft: true`) through the real entrypoint: TRL's `peft_config`, no reference copy, every
 lever, ZeRO-3 in 2 processes, the saved adapter and the merged model."""
 
+import json
 import math
 import os
 import shutil
@@ -126,6 +127,10 @@ def test_shared_prompt_gives_the_same_curve(plain, tiny_model_dir, tmp_path):
     run_train(tmp_path / "rows", *base)
     shared, rows = summary(tmp_path / "shared"), summary(tmp_path / "rows")
     assert shared["shared_prompt_forwards"]["shared"] > 0 and shared["shared_prompt_forwards"]["two_rows"] == 0
+    # each step's telemetry says how many of its pairs ran with the prompt once: all of them here
+    steps = [json.loads(line) for line in open(tmp_path / "shared" / "memory.jsonl")]
+    assert steps and all(r["shared_pairs"] == r["pairs"] > 0 for r in steps)
+    assert "shared_pairs" not in json.loads(open(tmp_path / "rows" / "memory.jsonl").readline())
     assert shared["shared_prompt"] and shared["losses"] == pytest.approx(summary(plain)["losses"], abs=1e-5)
     evals = [[h["eval_loss"] for h in s["eval_logs"]] for s in (shared, rows)]
     assert evals[0] and evals[0] == pytest.approx(evals[1], abs=1e-5)

@@ -53,9 +53,13 @@ def test_the_shared_prompt_counts_its_rows_where_the_batch_runs_them():
     step = flops.StepFlops(CONFIG, MATMUL, lora=False, with_reference=True, shards=1, one_row=one_row)
     step.add(batch((90, 10, 8), width=100))  # saves 1 - 109/200 of the tokens
     assert step.flops == 4 * flops.pair_forward_flops(90, 10, 8, True, MATMUL, 2, 8)
-    step.flops = 0.0
+    assert step.take()["shared_pairs"] == 1
     step.add(batch((2, 98, 90), width=100))  # saves 5%: TRL's rows
     assert step.flops == 4 * flops.pair_forward_flops(2, 98, 90, False, MATMUL, 2, 8)
+    # the step says how many of its pairs ran as one row: here one of the two micro-batches
+    step.add(batch((90, 10, 8), width=100))
+    assert {k: v for k, v in step.take().items() if k != "model_tflops"} == {"pairs": 2, "shared_pairs": 1}
+    assert "shared_pairs" not in flops.StepFlops(CONFIG, MATMUL, lora=False, with_reference=True, shards=1).take()
 
 
 def test_the_peak_of_the_card_and_mfu():

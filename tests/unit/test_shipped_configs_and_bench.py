@@ -259,6 +259,7 @@ def test_reserved_memory_that_follows_a_larger_pair_is_not_creep():
         "model_tflops": None,
         "mfu": None,
         "host_pinned_gb": None,
+        "shared_pairs": None,
     }
 
 
